@@ -1,0 +1,19 @@
+"""Onca: fast, memory-lean Triton kernels for training large language models."""
+
+from onca import device as _device
+
+# Must run before any kernel module is imported: Triton decides interpreter vs compiler when a
+# kernel is decorated.
+_device.ensure_interpreter()
+
+from onca import functional, nn  # noqa: E402
+from onca.device import get_profile  # noqa: E402
+
+try:
+    from importlib.metadata import PackageNotFoundError, version
+
+    __version__ = version("onca")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["functional", "nn", "get_profile", "__version__"]

@@ -1,0 +1,229 @@
+"""Which accelerator is here, and the `DeviceProfile` that kernel plans are built from.
+
+Detection order: the ``ONCA_DEVICE_PROFILE`` environment variable (a built-in profile name), then a
+CUDA device, then an Ascend NPU (``torch_npu``), else ``cpu-interpreter``. Single fields can be
+forced with ``ONCA_ONCHIP_BYTES`` and ``ONCA_COMPUTE_UNITS``. On a real device the compute units (and,
+on a GPU, the memory bandwidth) are read from the runtime and win over the table.
+
+When no accelerator is present, Triton's interpreter is switched on (``TRITON_INTERPRET=1``) so the
+real kernels run on the CPU, unless the user has set ``TRITON_INTERPRET`` themselves. This has to
+happen before any kernel is decorated, which is why ``onca/__init__.py`` imports this module first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DeviceProfile",
+    "PROFILES",
+    "get_profile",
+    "reset",
+    "accelerator",
+    "interpreter_active",
+    "ensure_interpreter",
+]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a kernel plan needs to know about the hardware.
+
+    ``onchip_bytes`` is the working-set budget of one program: the Unified Buffer on Ascend, a
+    register budget on a GPU chosen so that a tile does not spill. ``align_bytes`` is the unit every
+    block must be a multiple of (32 bytes, one UB block, on Ascend). ``persistent`` means grids are
+    capped at ``compute_units`` and each program loops over its share of the work.
+    """
+
+    kind: str  # "cuda", "npu" or "cpu"
+    name: str
+    compute_units: int
+    onchip_bytes: int
+    persistent: bool
+    peak_gbps: float
+    align_bytes: int = 16
+    max_warps: int = 16
+
+    def __post_init__(self):
+        if self.kind not in ("cuda", "npu", "cpu"):
+            raise ValueError(f"DeviceProfile.kind must be 'cuda', 'npu' or 'cpu', got {self.kind!r}")
+        for field in ("compute_units", "onchip_bytes", "align_bytes", "max_warps"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"DeviceProfile.{field} must be a positive int, got {value!r}")
+
+    def describe(self) -> str:
+        mode = "persistent" if self.persistent else "one program per tile"
+        bw = f"{self.peak_gbps:.0f} GB/s" if self.peak_gbps else "n/a"
+        return (
+            f"{self.name} ({self.kind}): {self.compute_units} compute units, "
+            f"{self.onchip_bytes} on-chip bytes per program, {self.align_bytes}-byte alignment, "
+            f"{mode} grids, peak bandwidth {bw}"
+        )
+
+
+# GPU budget: 256 KiB of live tile data per program. With the planner's ~16 elements per thread
+# and tile, RMSNorm's widest single-pass tiles compile to <= 112 registers per thread for 16 warps
+# on sm_90 (no spills; `tools/sm90_compile.py` shows it), under the 128-register cap at 512 threads.
+_GPU_ONCHIP = 256 * 1024
+
+# Ascend figures come from the chips' platform configurations: the Unified Buffer is 196608 bytes
+# on the 910B family and 253952 on the 950 family, in 32-byte blocks; vector-core counts per chip.
+# Bandwidths are nominal (vendor) figures, used only to report a fraction of peak.
+PROFILES: dict[str, DeviceProfile] = {
+    p.name: p
+    for p in (
+        DeviceProfile("cuda", "h100", 132, _GPU_ONCHIP, False, 3350.0),
+        DeviceProfile("cuda", "h200", 132, _GPU_ONCHIP, False, 4800.0),
+        DeviceProfile("cuda", "a100", 108, _GPU_ONCHIP, False, 2039.0),
+        DeviceProfile("cuda", "cuda-generic", 80, _GPU_ONCHIP, False, 1000.0),
+        DeviceProfile("npu", "ascend910b2", 48, 196608, True, 1600.0, align_bytes=32),
+        DeviceProfile("npu", "ascend910b4", 40, 196608, True, 800.0, align_bytes=32),
+        DeviceProfile("npu", "ascend950", 56, 253952, True, 1600.0, align_bytes=32),
+        # The interpreter runs programs one after another, each as vectorised NumPy: a few large
+        # programs are far faster than many small ones.
+        DeviceProfile("cpu", "cpu-interpreter", 4, 1 << 20, True, 0.0),
+    )
+}
+
+
+def accelerator() -> str:
+    """``"cuda"``, ``"npu"`` or ``"cpu"``: where tensors for the kernels should live."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return "cpu"
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return bool(getattr(torch, "npu", None)) and torch.npu.is_available()
+
+
+def ensure_interpreter() -> bool:
+    """Switch Triton's interpreter on when there is no accelerator, unless the user chose already.
+
+    Returns whether the interpreter is on afterwards.
+    """
+    if "TRITON_INTERPRET" not in os.environ and accelerator() == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return interpreter_active()
+
+
+def interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _cuda_profile() -> DeviceProfile:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = props.name.lower()
+    base = next(
+        (PROFILES[key] for key in ("h200", "h100", "a100") if key in name),
+        PROFILES["cuda-generic"],
+    )
+    changes = {"compute_units": props.multi_processor_count}
+    gbps = _cuda_bandwidth_gbps(props)
+    if gbps:
+        changes["peak_gbps"] = gbps
+    return dataclasses.replace(base, **changes)
+
+
+def _cuda_bandwidth_gbps(props) -> float | None:
+    """Theoretical DRAM bandwidth from the memory clock and bus width, when the runtime gives them."""
+    clock_khz = getattr(props, "memory_clock_rate", None)
+    bus_bits = getattr(props, "memory_bus_width", None)
+    if not clock_khz or not bus_bits:
+        return None
+    # Double data rate: two transfers per clock.
+    return 2 * clock_khz * 1e3 * (bus_bits / 8) / 1e9
+
+
+def _npu_profile() -> DeviceProfile:
+    soc = ""
+    try:
+        soc = torch.npu.get_device_name(torch.npu.current_device()).lower().replace(" ", "")
+    except Exception:  # the runtime may not name the chip; fall back to the most common part
+        pass
+    key = next((k for k in ("ascend950", "ascend910b2", "ascend910b4") if k in soc), "ascend910b2")
+    base = PROFILES[key]
+    changes = {}
+    ub_bytes, vector_cores = _npu_runtime_limits()
+    if ub_bytes:
+        changes["onchip_bytes"] = ub_bytes
+    if vector_cores:
+        changes["compute_units"] = vector_cores
+    return dataclasses.replace(base, **changes)
+
+
+def _npu_runtime_limits() -> tuple[int | None, int | None]:
+    """UB size and vector-core count as triton-ascend's driver reports them, where it can."""
+    try:
+        from triton.runtime import driver
+
+        props = driver.active.utils.get_device_properties(torch.npu.current_device())
+    except Exception:  # an older triton-ascend, or no driver: the table stands
+        return None, None
+    if not isinstance(props, dict):
+        return None, None
+    ub = props.get("ub_size") or props.get("max_ub_size")
+    cores = props.get("num_vectorcore")
+    return (int(ub) if ub and ub > 0 else None), (int(cores) if cores and cores > 0 else None)
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _detect(profile_name: str | None, onchip: int | None, units: int | None) -> DeviceProfile:
+    if profile_name:
+        if profile_name not in PROFILES:
+            known = ", ".join(sorted(PROFILES))
+            raise ValueError(f"ONCA_DEVICE_PROFILE={profile_name!r} is not a built-in profile ({known})")
+        profile = PROFILES[profile_name]
+    else:
+        where = accelerator()
+        if where == "cuda":
+            profile = _cuda_profile()
+        elif where == "npu":
+            profile = _npu_profile()
+        else:
+            profile = PROFILES["cpu-interpreter"]
+    changes = {}
+    if onchip is not None:
+        changes["onchip_bytes"] = onchip
+    if units is not None:
+        changes["compute_units"] = units
+    return dataclasses.replace(profile, **changes) if changes else profile
+
+
+def get_profile() -> DeviceProfile:
+    """The profile in force now: detection plus the environment's overrides (cached)."""
+    return _detect(
+        os.environ.get("ONCA_DEVICE_PROFILE") or None,
+        _env_int("ONCA_ONCHIP_BYTES"),
+        _env_int("ONCA_COMPUTE_UNITS"),
+    )
+
+
+def reset() -> None:
+    """Forget the detected profile (after changing the accelerator setup in-process)."""
+    _detect.cache_clear()

@@ -1,0 +1,5 @@
+"""Drop-in ``torch.nn.Module`` replacements backed by Onca's kernels."""
+
+from onca.nn.rms_norm import RMSNorm
+
+__all__ = ["RMSNorm"]

@@ -1,0 +1,179 @@
+"""The tiling planner: the only place that knows on-chip budgets.
+
+A kernel that works on a ``(rows, cols)`` matrix, row by row, declares how many tiles of its block
+are alive at once: ``live_tiles`` tiles in the input dtype (loads and stores) and ``fp32_tiles``
+tiles in fp32 (upcasts and accumulators). The planner picks
+
+- ``block_cols``: the largest power-of-two width whose live tiles fit the profile's on-chip budget,
+  no wider than the row needs and never narrower than the profile's alignment unit;
+- ``col_tiles``: how many column tiles a row is split into (1: single pass; more: the kernel makes
+  one pass to reduce and one to apply, with half the budget per tile);
+- ``block_rows``: how many rows one tile holds when a row is narrow (a 2-D tile);
+- ``grid``: one program per row block, or, on a persistent profile, at most one per compute unit,
+  each program looping over row blocks ``program, program + grid, ...``.
+
+Plans are plain frozen data, cached per request, and printable (``onca plan OP --shape ...``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from onca.device import DeviceProfile, get_profile
+
+__all__ = ["RowPlan", "TilingError", "plan_rows", "next_power_of_2", "MAX_TILE_ELEMENTS"]
+
+# Triton refuses tensors with more elements than this in one block.
+MAX_TILE_ELEMENTS = 1 << 20
+
+
+class TilingError(ValueError):
+    """The request cannot be planned on this profile (it would not fit the on-chip budget)."""
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n >= 1 else 0
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a row-wise kernel covers a ``(rows, cols)`` matrix on one profile."""
+
+    rows: int
+    cols: int
+    block_rows: int
+    block_cols: int
+    col_tiles: int
+    row_blocks: int
+    grid: int
+    num_warps: int
+    tile_bytes: int
+    onchip_bytes: int
+    persistent: bool
+    profile: str
+
+    @property
+    def single_pass(self) -> bool:
+        return self.col_tiles == 1
+
+    @property
+    def row_blocks_per_program(self) -> int:
+        return math.ceil(self.row_blocks / self.grid)
+
+    @property
+    def rows_per_program(self) -> int:
+        return self.row_blocks_per_program * self.block_rows
+
+    def row_blocks_of(self, program: int) -> range:
+        """The row blocks that ``program`` handles, in the order the kernels loop over them."""
+        return range(program, self.row_blocks, self.grid)
+
+    def rows_of(self, row_block: int) -> range:
+        start = row_block * self.block_rows
+        return range(start, min(start + self.block_rows, self.rows))
+
+    def cols_of(self, col_tile: int) -> range:
+        start = col_tile * self.block_cols
+        return range(start, min(start + self.block_cols, self.cols))
+
+    def describe(self) -> str:
+        path = "single pass" if self.single_pass else f"{self.col_tiles} column tiles (two passes)"
+        return (
+            f"{self.rows} x {self.cols} on {self.profile}: tile {self.block_rows} x {self.block_cols} "
+            f"({self.tile_bytes} of {self.onchip_bytes} on-chip bytes), {path}, "
+            f"{self.row_blocks} row blocks over a grid of {self.grid}"
+            f"{' (persistent)' if self.persistent else ''}, "
+            f"{self.rows_per_program} rows per program, {self.num_warps} warps"
+        )
+
+
+def plan_rows(
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    live_tiles: int,
+    profile: DeviceProfile | None = None,
+    *,
+    fp32_tiles: int = 0,
+    persistent: bool | None = None,
+    max_block_rows: int | None = None,
+    max_block_cols: int | None = None,
+) -> RowPlan:
+    """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
+
+    ``persistent`` forces (or forbids) a grid capped at the compute units; by default the profile
+    decides. Kernels that reduce across rows into per-program partial sums pass ``True`` so that
+    the partial buffer stays small. ``max_block_rows`` / ``max_block_cols`` let a kernel cap its
+    tile where its own structure needs it (e.g. a rotary half width).
+    """
+    return _plan_rows(
+        int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
+        persistent, max_block_rows, max_block_cols,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, max_block_rows,
+               max_block_cols) -> RowPlan:
+    if rows < 1 or cols < 1:
+        raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
+    if live_tiles < 0 or fp32_tiles < 0 or live_tiles + fp32_tiles < 1:
+        raise TilingError(f"a kernel needs at least one live tile (live={live_tiles}, fp32={fp32_tiles})")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bytes_per_col = live_tiles * itemsize + fp32_tiles * 4
+    # The narrowest block whose every tile is a whole number of alignment units.
+    min_block = max(1, next_power_of_2(math.ceil(profile.align_bytes / itemsize)))
+    widest = _floor_power_of_2(min(profile.onchip_bytes // bytes_per_col, MAX_TILE_ELEMENTS))
+    if max_block_cols is not None:
+        widest = min(widest, _floor_power_of_2(max_block_cols))
+    if widest < min_block:
+        raise TilingError(
+            f"{live_tiles} {dtype} + {fp32_tiles} fp32 live tiles of the narrowest aligned block "
+            f"({min_block} columns, {min_block * bytes_per_col} bytes) do not fit the "
+            f"{profile.onchip_bytes}-byte on-chip budget of profile {profile.name!r}"
+        )
+    if next_power_of_2(cols) > widest:
+        # Two passes: the kernel carries per-row state across tiles and reloads each tile, so it
+        # gets half the budget (room for that state, and for the next tile's loads in flight).
+        widest = max(min_block, widest // 2)
+    block_cols = max(min_block, min(next_power_of_2(cols), widest))
+    col_tiles = math.ceil(cols / block_cols)
+
+    block_rows = 1
+    if col_tiles == 1:
+        fit = _floor_power_of_2(
+            min(profile.onchip_bytes // (bytes_per_col * block_cols), MAX_TILE_ELEMENTS // block_cols)
+        )
+        # Keep at least one row block per compute unit, so that tall tiles never starve the device.
+        spread = _floor_power_of_2(max(1, rows // profile.compute_units))
+        block_rows = max(1, min(fit, spread, next_power_of_2(rows)))
+        if max_block_rows is not None:
+            block_rows = max(1, min(block_rows, _floor_power_of_2(max_block_rows)))
+    row_blocks = math.ceil(rows / block_rows)
+    is_persistent = profile.persistent if persistent is None else persistent
+    grid = min(row_blocks, profile.compute_units) if is_persistent else row_blocks
+    tile_elements = block_rows * block_cols
+    # About 16 elements of each tile per thread (32 threads a warp), within the profile's cap.
+    num_warps = max(1, min(profile.max_warps, _floor_power_of_2(max(1, tile_elements // 512))))
+    return RowPlan(
+        rows=rows,
+        cols=cols,
+        block_rows=block_rows,
+        block_cols=block_cols,
+        col_tiles=col_tiles,
+        row_blocks=row_blocks,
+        grid=grid,
+        num_warps=num_warps,
+        tile_bytes=tile_elements * bytes_per_col,
+        onchip_bytes=profile.onchip_bytes,
+        persistent=is_persistent,
+        profile=profile.name,
+    )

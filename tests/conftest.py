@@ -1,0 +1,68 @@
+"""Fixtures shared by every test: where kernels run, at what scale, under which device profile."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import onca  # noqa: F401  (switches the interpreter on when there is no accelerator)
+from onca import device as onca_device
+from tests.helpers import SCALE
+
+# Profiles every op is tested under: the one detected here, and an Ascend NPU's.
+PROFILES = ("default", "ascend910b4")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where test tensors live: the accelerator if there is one, else the CPU (interpreter)."""
+    where = onca_device.accelerator()
+    return {"cuda": "cuda", "npu": "npu"}.get(where, "cpu")
+
+
+@pytest.fixture(scope="session")
+def scale() -> str:
+    """``"cpu"`` (small shapes, CI) or ``"gpu"`` (``ONCA_TEST_SCALE=gpu``: real sizes)."""
+    return SCALE
+
+
+@pytest.fixture(params=PROFILES)
+def profile(request, monkeypatch):
+    """Run the test under the detected profile and under the Ascend 910B4 profile."""
+    if request.param == "default":
+        monkeypatch.delenv("ONCA_DEVICE_PROFILE", raising=False)
+    else:
+        monkeypatch.setenv("ONCA_DEVICE_PROFILE", request.param)
+    onca_device.reset()
+    yield onca_device.get_profile()
+    onca_device.reset()
+
+
+@pytest.fixture
+def onchip_bytes(monkeypatch):
+    """Force a small on-chip budget (so wide rows take the column-tiled path); returns a setter."""
+
+    def force(n: int):
+        monkeypatch.setenv("ONCA_ONCHIP_BYTES", str(n))
+        onca_device.reset()
+        return onca_device.get_profile()
+
+    yield force
+    monkeypatch.delenv("ONCA_ONCHIP_BYTES", raising=False)
+    onca_device.reset()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_report_header(config):
+    return (
+        f"onca: scale={SCALE}, accelerator={onca_device.accelerator()}, "
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}, "
+        f"profile={onca_device.get_profile().name}"
+    )

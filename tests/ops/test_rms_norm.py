@@ -1,0 +1,173 @@
+"""RMSNorm forward and backward against a float64 PyTorch reference that rounds where the model does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onca import device as onca_device
+from onca.ops import rms_norm as op
+from onca.ops.rms_norm import rms_norm
+from tests.helpers import DTYPES, SCALE, assert_close, leaf, non_contiguous, randn, rounded
+
+CASTINGS = ("llama", "gemma", "none")
+
+SHAPES = {
+    "cpu": [(1, 64), (1, 1), (37, 1000), (2, 3, 96), (5, 4096)],
+    "gpu": [(16384, 4096), (16384, 8192), (4, 2048, 5120), (3, 65536), (1, 4096)],
+}[SCALE]
+BASE_SHAPE = {"cpu": (2, 7, 300), "gpu": (8, 1024, 4096)}[SCALE]
+WIDE_ROWS = {"cpu": 2, "gpu": 512}[SCALE]
+
+
+def reference(x, w, eps=1e-6, offset=0.0, casting="llama"):
+    """The Hugging Face modules' arithmetic in float64, rounding to x's dtype where they cast."""
+    x64 = x.detach().to(torch.float64).requires_grad_(True)
+    w64 = w.detach().to(torch.float64).requires_grad_(True)
+    n = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "llama":
+        y = rounded(n, x.dtype) * (offset + w64)
+    elif casting == "gemma":
+        y = n * (offset + w64)
+    else:
+        y = rounded(n, x.dtype) * rounded(offset + w64, x.dtype)
+    return y, x64, w64
+
+
+def check(x, w, eps=1e-6, offset=0.0, casting="llama", in_place=False):
+    """Run the kernel and the reference forward and backward and compare y, dx and dw."""
+    xk, wk = leaf(x), leaf(w)
+    y = rms_norm(xk, wk, eps, offset, casting, in_place)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    ref, x64, w64 = reference(x, w, eps, offset, casting)
+    assert_close(y, ref, x.dtype, "y")
+    dy = randn(*x.shape, dtype=x.dtype, device=x.device)
+    y.backward(dy)
+    ref.backward(dy.to(torch.float64))
+    assert_close(xk.grad, x64.grad, x.dtype, "dx")
+    assert_close(wk.grad, w64.grad, x.dtype, "dw")
+    assert wk.grad.dtype == w.dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("casting", CASTINGS)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_matches_reference(profile, device, dtype, casting, offset):
+    x = randn(*BASE_SHAPE, dtype=dtype, device=device)
+    w = randn(BASE_SHAPE[-1], dtype=dtype, device=device, std=0.5) + (0.0 if offset else 1.0)
+    check(x, w, eps=1e-5, offset=offset, casting=casting)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shapes(profile, device, shape, dtype):
+    x = randn(*shape, dtype=dtype, device=device)
+    w = randn(shape[-1], dtype=dtype, device=device) + 1.0
+    check(x, w)
+
+
+@pytest.mark.parametrize("how", ["rows", "cols"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_non_contiguous_input(profile, device, how, dtype):
+    x = non_contiguous(randn(*BASE_SHAPE, dtype=dtype, device=device), how)
+    w = randn(BASE_SHAPE[-1], dtype=dtype, device=device) + 1.0
+    check(x, w, casting="gemma", offset=1.0)
+
+
+@pytest.mark.parametrize("casting", CASTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_column_tiled_path(profile, device, onchip_bytes, casting, dtype):
+    # An 8 KiB budget cannot hold a 1000-wide row: both kernels must split it into column tiles.
+    forced = onchip_bytes(8192)
+    cols = 1000 if SCALE == "cpu" else 8192
+    plans = op.plan((9, cols), dtype, forced)
+    assert plans["forward"].col_tiles > 1 and plans["backward"].col_tiles > 1
+    # More rows than any profile has compute units, so every program accumulates several rows.
+    x = randn(5, 9, cols, dtype=dtype, device=device)
+    w = randn(cols, dtype=dtype, device=device) + 1.0
+    check(x, w, casting=casting, offset=0.5)
+
+
+@pytest.mark.parametrize("name", sorted(onca_device.PROFILES))
+def test_wide_rows_on_every_profile(monkeypatch, device, name):
+    """Hidden size 65536 plans and runs correctly under every built-in profile."""
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", name)
+    onca_device.reset()
+    try:
+        x = randn(WIDE_ROWS, 65536, dtype=torch.bfloat16, device=device)
+        w = randn(65536, dtype=torch.bfloat16, device=device) + 1.0
+        check(x, w)
+    finally:
+        onca_device.reset()
+
+
+def test_fp32_weight_with_bf16_input(device):
+    """Mixed precision: fp32 master weight, bf16 activations (autocast training)."""
+    x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    w = randn(BASE_SHAPE[-1], dtype=torch.float32, device=device) + 1.0
+    check(x, w, casting="gemma")
+
+
+def test_in_place_backward_reuses_dy(device):
+    x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    w = randn(BASE_SHAPE[-1], dtype=torch.bfloat16, device=device)
+    dy = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    x1, w1 = leaf(x), leaf(w)
+    dx_expected, dw_expected = torch.autograd.grad(rms_norm(x1, w1), (x1, w1), dy.clone())
+    x2, w2 = leaf(x), leaf(w)
+    dy_buffer = dy.clone()
+    dx, dw = torch.autograd.grad(rms_norm(x2, w2, in_place=True), (x2, w2), dy_buffer)
+    assert dx.data_ptr() == dy_buffer.data_ptr(), "in_place=True must write dx into dy's storage"
+    assert torch.equal(dx, dx_expected) and torch.equal(dw, dw_expected)
+
+
+def test_does_not_modify_caller_tensors(device):
+    x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    w = randn(BASE_SHAPE[-1], dtype=torch.bfloat16, device=device)
+    dy = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    x0, w0, dy0 = x.clone(), w.clone(), dy.clone()
+    xk, wk = leaf(x), leaf(w)
+    rms_norm(xk, wk).backward(dy)
+    assert torch.equal(x, x0) and torch.equal(w, w0) and torch.equal(dy, dy0)
+
+
+def test_weight_gradient_is_deterministic(device):
+    x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    w = randn(BASE_SHAPE[-1], dtype=torch.bfloat16, device=device)
+    dy = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    grads = []
+    for _ in range(2):
+        wk = leaf(w)
+        rms_norm(leaf(x), wk).backward(dy)
+        grads.append(wk.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_bad_input(device):
+    x = randn(4, 64, device=device)
+    w = randn(64, device=device)
+    with pytest.raises(ValueError, match="x must have last dimension 64"):
+        rms_norm(randn(4, 32, device=device), w)
+    with pytest.raises(TypeError, match="x must have a floating dtype"):
+        rms_norm(torch.ones(4, 64, dtype=torch.int32, device=device), w)
+    with pytest.raises(TypeError, match="weight must have a floating dtype"):
+        rms_norm(x, torch.ones(64, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="weight is on meta"):
+        rms_norm(x, torch.empty(64, device="meta"))
+    with pytest.raises(ValueError, match="x is empty"):
+        rms_norm(randn(0, 64, device=device), w)
+    with pytest.raises(ValueError, match="casting_mode"):
+        rms_norm(x, w, casting_mode="fp8")
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        rms_norm(x, randn(1, 64, device=device))
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, eps=float("nan"))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        rms_norm([1.0, 2.0], w)
+
+
+def test_backward_plan_is_persistent(profile):
+    """dW partial sums need a bounded grid: one buffer row per program, at most one per unit."""
+    plans = op.plan(BASE_SHAPE, torch.bfloat16, profile)
+    assert plans["backward"].persistent
+    assert plans["backward"].grid <= profile.compute_units

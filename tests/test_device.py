@@ -1,0 +1,92 @@
+"""Device profiles: the table, detection order, overrides and the interpreter switch."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from onca import device as d
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    for var in ("ONCA_DEVICE_PROFILE", "ONCA_ONCHIP_BYTES", "ONCA_COMPUTE_UNITS"):
+        monkeypatch.delenv(var, raising=False)
+    d.reset()
+    yield
+    d.reset()
+
+
+def test_builtin_profiles_hold_the_platform_figures():
+    for name in ("h100", "h200", "a100", "ascend910b2", "ascend910b4", "ascend950", "cpu-interpreter"):
+        assert name in d.PROFILES
+    assert d.PROFILES["ascend910b2"].onchip_bytes == 196608
+    assert d.PROFILES["ascend910b4"].onchip_bytes == 196608
+    assert d.PROFILES["ascend950"].onchip_bytes == 253952
+    assert [d.PROFILES[n].compute_units for n in ("ascend910b2", "ascend910b4", "ascend950")] == [48, 40, 56]
+    for name in ("ascend910b2", "ascend910b4", "ascend950"):
+        p = d.PROFILES[name]
+        assert p.kind == "npu" and p.persistent and p.align_bytes == 32
+
+
+def test_profiles_are_frozen_and_validated():
+    p = d.PROFILES["h100"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute_units = 1
+    with pytest.raises(ValueError, match="kind"):
+        d.DeviceProfile("tpu", "x", 1, 1, True, 0.0)
+    with pytest.raises(ValueError, match="onchip_bytes"):
+        d.DeviceProfile("cuda", "x", 1, 0, True, 0.0)
+
+
+def test_env_profile_wins(monkeypatch):
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "ascend910b4")
+    assert d.get_profile() is d.PROFILES["ascend910b4"]
+
+
+def test_unknown_env_profile_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "tpu-v9")
+    with pytest.raises(ValueError, match="ONCA_DEVICE_PROFILE='tpu-v9' is not a built-in profile"):
+        d.get_profile()
+
+
+def test_field_overrides(monkeypatch):
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "ascend950")
+    monkeypatch.setenv("ONCA_ONCHIP_BYTES", "4096")
+    monkeypatch.setenv("ONCA_COMPUTE_UNITS", "3")
+    p = d.get_profile()
+    assert (p.name, p.onchip_bytes, p.compute_units) == ("ascend950", 4096, 3)
+    monkeypatch.setenv("ONCA_COMPUTE_UNITS", "many")
+    with pytest.raises(ValueError, match="ONCA_COMPUTE_UNITS must be a positive integer"):
+        d.get_profile()
+
+
+def test_detection_falls_back_to_the_accelerator_or_interpreter():
+    p = d.get_profile()
+    where = d.accelerator()
+    assert p.kind == where
+    if where == "cpu":
+        assert p.name == "cpu-interpreter"
+        assert d.interpreter_active()
+    if where == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        assert p.compute_units == props.multi_processor_count  # read from the device, not the table
+
+
+def _run(code: str, env: dict) -> str:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.skipif(d.accelerator() != "cpu", reason="the automatic switch applies without an accelerator")
+def test_interpreter_switched_on_without_accelerator_unless_user_chose():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import onca, os; print(os.environ.get('TRITON_INTERPRET'))"
+    assert _run(code, env) == "1"
+    assert _run(code, {**env, "TRITON_INTERPRET": "0"}) == "0"

@@ -1,0 +1,92 @@
+"""The planner's invariants, over every built-in profile and a spread of shapes and dtypes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from onca.device import PROFILES, DeviceProfile
+from onca.tiling import MAX_TILE_ELEMENTS, TilingError, plan_rows
+
+SHAPES = [(1, 1), (1, 64), (37, 1000), (16384, 4096), (3, 65536), (7, 131072), (100000, 128), (5, 3)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TILES = [dict(live_tiles=3, fp32_tiles=2), dict(live_tiles=4, fp32_tiles=4), dict(live_tiles=1)]
+
+
+def _bytes_per_col(dtype, tiles):
+    return tiles.get("live_tiles", 0) * torch.empty((), dtype=dtype).element_size() + tiles.get("fp32_tiles", 0) * 4
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_plan_invariants(name):
+    for shape, dtype, tiles, persistent in itertools.product(SHAPES, DTYPES, TILES, [None, True]):
+        _check_plan(PROFILES[name], shape, dtype, tiles, persistent)
+
+
+def _check_plan(profile, shape, dtype, tiles, persistent):
+    rows, cols = shape
+    p = plan_rows(rows, cols, dtype, profile=profile, persistent=persistent, **tiles)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # Fits the budget, and says so truthfully.
+    assert p.tile_bytes == p.block_rows * p.block_cols * _bytes_per_col(dtype, tiles)
+    assert p.tile_bytes <= profile.onchip_bytes
+    assert p.block_rows * p.block_cols <= MAX_TILE_ELEMENTS
+    # Powers of two, aligned to the profile's unit (32 bytes on Ascend).
+    for block in (p.block_rows, p.block_cols):
+        assert block & (block - 1) == 0
+    assert (p.block_cols * itemsize) % profile.align_bytes == 0
+    if profile.kind == "npu":
+        assert (p.block_cols * itemsize) % 32 == 0
+    # Persistent grids never exceed the compute units.
+    if p.persistent:
+        assert p.grid <= profile.compute_units
+    assert p.persistent == (profile.persistent if persistent is None else persistent)
+    # A row wider than one block is split into column tiles; otherwise one pass.
+    assert p.col_tiles == -(-cols // p.block_cols)
+    assert p.single_pass == (cols <= p.block_cols)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+@pytest.mark.parametrize("shape", [(1, 1), (37, 1000), (1000, 300), (5, 70000), (300, 33)])
+def test_plan_covers_every_row_and_column_once(name, shape):
+    rows, cols = shape
+    p = plan_rows(rows, cols, torch.bfloat16, live_tiles=3, fp32_tiles=2, profile=PROFILES[name],
+                  persistent=True)
+    seen_rows = [r for prog in range(p.grid) for rb in p.row_blocks_of(prog) for r in p.rows_of(rb)]
+    assert sorted(seen_rows) == list(range(rows))
+    seen_cols = [c for t in range(p.col_tiles) for c in p.cols_of(t)]
+    assert seen_cols == list(range(cols))
+    # Every program has work: none of the grid is wasted.
+    assert all(len(p.row_blocks_of(prog)) > 0 for prog in range(p.grid))
+
+
+def test_wide_rows_plan_on_every_profile():
+    for profile in PROFILES.values():
+        for dtype in DTYPES:
+            p = plan_rows(8, 65536, dtype, live_tiles=4, fp32_tiles=4, profile=profile, persistent=True)
+            assert p.col_tiles * p.block_cols >= 65536
+
+
+def test_narrow_rows_share_a_tile():
+    p = plan_rows(16384, 128, torch.bfloat16, live_tiles=3, fp32_tiles=2, profile=PROFILES["h100"])
+    assert p.block_rows > 1 and p.row_blocks * p.block_rows >= 16384
+
+
+def test_impossible_request_is_a_clear_error():
+    tiny = DeviceProfile("npu", "tiny", 4, 64, True, 0.0, align_bytes=32)
+    with pytest.raises(TilingError, match="do not fit the 64-byte on-chip budget of profile 'tiny'"):
+        plan_rows(4, 4096, torch.bfloat16, live_tiles=8, fp32_tiles=8, profile=tiny)
+    with pytest.raises(TilingError, match="empty"):
+        plan_rows(0, 4096, torch.bfloat16, live_tiles=1, profile=PROFILES["h100"])
+    with pytest.raises(TilingError, match="at least one live tile"):
+        plan_rows(4, 4096, torch.bfloat16, live_tiles=0, profile=PROFILES["h100"])
+
+
+def test_plans_are_cached_and_printable():
+    a = plan_rows(16384, 4096, torch.bfloat16, 3, PROFILES["ascend910b4"], fp32_tiles=2)
+    b = plan_rows(16384, 4096, torch.bfloat16, 3, PROFILES["ascend910b4"], fp32_tiles=2)
+    assert a is b
+    text = a.describe()
+    assert "16384 x 4096 on ascend910b4" in text and "persistent" in text
