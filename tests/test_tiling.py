@@ -90,3 +90,24 @@ def test_plans_are_cached_and_printable():
     assert a is b
     text = a.describe()
     assert "16384 x 4096 on ascend910b4" in text and "persistent" in text
+
+
+def test_token_chunks_fit_budget_and_cover_tokens():
+    from onca.tiling import plan_token_chunks
+
+    for tokens, per_token, budget in [(8192, 128256 * 4, 1 << 30), (5, 1000, 10**9), (1000, 4096, 4096 * 37),
+                                      (1, 10, 1), (12345, 262144 * 6, 256 << 20)]:
+        c = plan_token_chunks(tokens, per_token, budget)
+        covered = [t for i in range(c.n_chunks) for t in range(*c.bounds(i))]
+        assert covered == list(range(tokens))
+        assert c.chunk == tokens or c.chunk % 16 == 0
+        if c.chunk > 16:
+            assert c.bytes_per_chunk <= budget
+    with pytest.raises(TilingError):
+        plan_token_chunks(0, 10, 10)
+
+
+def test_free_memory_is_positive():
+    from onca.device import free_memory
+
+    assert free_memory() > 0

@@ -27,6 +27,7 @@ __all__ = [
     "accelerator",
     "interpreter_active",
     "ensure_interpreter",
+    "free_memory",
 ]
 
 
@@ -177,6 +178,19 @@ def _npu_runtime_limits() -> tuple[int | None, int | None]:
     ub = props.get("ub_size") or props.get("max_ub_size")
     cores = props.get("num_vectorcore")
     return (int(ub) if ub and ub > 0 else None), (int(cores) if cores and cores > 0 else None)
+
+
+def free_memory(device: torch.device | str | None = None) -> int:
+    """Bytes free on ``device`` now (CUDA and NPU from the runtime; the CPU from the OS)."""
+    device = torch.device(device) if device is not None else torch.device(accelerator())
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "npu":
+        return int(torch.npu.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: assume a modest machine
+        return 8 << 30
 
 
 def _env_int(name: str) -> int | None:

@@ -13,6 +13,10 @@ tiles in fp32 (upcasts and accumulators). The planner picks
   each program looping over row blocks ``program, program + grid, ...``.
 
 Plans are plain frozen data, cached per request, and printable (``onca plan OP --shape ...``).
+
+Ops that never hold a whole intermediate (the fused linear losses) split their tokens into chunks
+with ``plan_token_chunks``: the largest chunk whose scratch fits a byte budget, which the op derives
+from the free device memory (``onca.device.free_memory``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ import torch
 
 from onca.device import DeviceProfile, get_profile
 
-__all__ = ["RowPlan", "TilingError", "plan_rows", "next_power_of_2", "MAX_TILE_ELEMENTS"]
+__all__ = [
+    "RowPlan", "ChunkPlan", "TilingError", "plan_rows", "plan_token_chunks", "next_power_of_2",
+    "MAX_TILE_ELEMENTS",
+]
 
 # Triton refuses tensors with more elements than this in one block.
 MAX_TILE_ELEMENTS = 1 << 20
@@ -177,3 +184,43 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
         persistent=is_persistent,
         profile=profile.name,
     )
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How a token-chunked op (fused linear losses) splits ``tokens`` to bound its scratch memory."""
+
+    tokens: int
+    chunk: int
+    n_chunks: int
+    bytes_per_chunk: int
+    budget_bytes: int
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk
+        return start, min(start + self.chunk, self.tokens)
+
+    def describe(self) -> str:
+        return (
+            f"{self.tokens} tokens in {self.n_chunks} chunks of {self.chunk} "
+            f"({self.bytes_per_chunk} scratch bytes each, budget {self.budget_bytes})"
+        )
+
+
+def plan_token_chunks(tokens: int, bytes_per_token: int, budget_bytes: int, *, multiple: int = 16) -> ChunkPlan:
+    """The largest chunk of tokens, a multiple of ``multiple`` (or all tokens), whose scratch
+    (``bytes_per_token`` each: e.g. a row of logits and its gradient) fits ``budget_bytes``.
+
+    At least one chunk of ``multiple`` tokens is always planned; a budget smaller than that is not
+    an error here (the caller decided the budget), the plan simply reports what it will use.
+    """
+    tokens, bytes_per_token, budget_bytes = int(tokens), int(bytes_per_token), int(budget_bytes)
+    if tokens < 1:
+        raise TilingError(f"cannot chunk {tokens} tokens")
+    if bytes_per_token < 1:
+        raise TilingError(f"bytes_per_token must be positive, got {bytes_per_token}")
+    fit = max(1, budget_bytes // bytes_per_token)
+    chunk = tokens if fit >= tokens else max(multiple, fit // multiple * multiple)
+    chunk = min(chunk, tokens)
+    n_chunks = math.ceil(tokens / chunk)
+    return ChunkPlan(tokens, chunk, n_chunks, chunk * bytes_per_token, budget_bytes)

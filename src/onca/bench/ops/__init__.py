@@ -1,0 +1,1 @@
+"""One benchmark declaration per op: ``onca/bench/ops/<op>.py`` defines ``BENCHMARK``."""

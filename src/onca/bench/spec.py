@@ -1,0 +1,90 @@
+"""What an op's benchmark declares; the harness (``onca.bench.harness``) does the rest.
+
+Each op has one module ``onca/bench/ops/<op>.py`` defining ``BENCHMARK = OpBenchmark(...)``:
+
+- ``make_inputs(params, dtype, device)``: the input tensors of one point, as a dict; tensors that
+  take gradients are leaves with ``requires_grad=True``.
+- ``onca`` / ``reference`` / ``liger``: provider factories ``factory(params, inputs) -> run`` where
+  ``run()`` computes the op on ``inputs`` and returns its output (a tensor or a tuple of tensors).
+  Factories build modules and pick options outside the timed region. ``reference`` is the plain
+  PyTorch / Hugging Face computation; the harness times it as ``torch`` and, compiled, as
+  ``torch_compile``. ``liger`` imports liger-kernel inside the factory; an ``ImportError`` marks
+  the provider unavailable.
+- ``sweeps``: D1 sweeps over one non-model dimension and a D2 sweep over the model registry.
+- ``bytes_moved(params, dtype, mode)``: the fewest bytes the mode must move through memory (each
+  input read once, each output written once), for achieved GB/s; ``flops(params, mode)`` for
+  matmul-bound ops.
+- ``memory_estimate(params, dtype, provider, mode)``: the peak bytes a provider needs for a mode,
+  inputs included; the harness checks it against a small probe run before trusting it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from onca.bench.models import MODELS, ModelConfig
+
+MODES = ("forward", "backward", "full")
+PROVIDERS = ("onca", "torch", "torch_compile", "liger")
+
+Params = dict[str, Any]
+Inputs = dict[str, torch.Tensor]
+Factory = Callable[[Params, Inputs], Callable[[], Any]]
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A list of points: ``(x value, params)`` pairs along one axis."""
+
+    kind: str  # "d1" or "d2"
+    x_name: str
+    x_label: str
+    points: tuple[tuple[Any, Params], ...]
+
+    def __post_init__(self):
+        if self.kind not in ("d1", "d2"):
+            raise ValueError(f"Sweep.kind must be 'd1' or 'd2', got {self.kind!r}")
+
+
+def d1(x_name: str, values, fixed: Params, x_label: str | None = None) -> Sweep:
+    """Sweep one non-model dimension ``x_name`` over ``values`` with the other parameters fixed."""
+    return Sweep("d1", x_name, x_label or x_name, tuple((v, {**fixed, x_name: v}) for v in values))
+
+
+def d2(params_of: Callable[[ModelConfig], Params | None], models=None) -> Sweep:
+    """Sweep real model configurations: ``params_of(model)`` gives the op's parameters, or None
+    where the op does not apply to that model (e.g. GeGLU on a SiLU model)."""
+    points = []
+    for model in (models or MODELS.values()):
+        params = params_of(model)
+        if params is not None:
+            points.append((model.name, {"model": model.name, **params}))
+    return Sweep("d2", "model", "model", tuple(points))
+
+
+@dataclass(frozen=True)
+class OpBenchmark:
+    name: str
+    make_inputs: Callable[[Params, torch.dtype, Any], Inputs]
+    onca: Factory
+    reference: Factory
+    sweeps: tuple[Sweep, ...]
+    memory_estimate: Callable[[Params, torch.dtype, str, str], int]
+    liger: Factory | None = None
+    bytes_moved: Callable[[Params, torch.dtype, str], int] | None = None
+    flops: Callable[[Params, str], float] | None = None
+    modes: tuple[str, ...] = MODES
+    # A small point used to check memory estimates against a real run before a sweep.
+    probe: Params = field(default_factory=dict)
+    # Shown with every record: what is fixed about the configuration (options, layouts).
+    config: str = ""
+
+    def sweep(self, kind: str) -> list[Sweep]:
+        return [s for s in self.sweeps if s.kind == kind]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
