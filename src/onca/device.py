@@ -69,6 +69,14 @@ class DeviceProfile:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"DeviceProfile.{field} must be a non-negative int, got {value!r}")
 
+    def __hash__(self) -> int:
+        # Plans are cached per profile: hash the fields once, not on every kernel launch.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(dataclasses.astuple(self))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def describe(self) -> str:
         mode = "persistent" if self.persistent else "one program per tile"
         if self.warps_per_unit:
@@ -245,15 +253,27 @@ def _detect(profile_name: str | None, onchip: int | None, units: int | None) -> 
     return dataclasses.replace(profile, **changes) if changes else profile
 
 
+_current: DeviceProfile | None = None
+
+
 def get_profile() -> DeviceProfile:
-    """The profile in force now: detection plus the environment's overrides (cached)."""
-    return _detect(
-        os.environ.get("ONCA_DEVICE_PROFILE") or None,
-        _env_int("ONCA_ONCHIP_BYTES"),
-        _env_int("ONCA_COMPUTE_UNITS"),
-    )
+    """The profile in force: detection plus the environment's overrides.
+
+    Read once and kept (every kernel launch asks for it); call ``reset()`` after changing
+    ``ONCA_DEVICE_PROFILE``, ``ONCA_ONCHIP_BYTES`` or ``ONCA_COMPUTE_UNITS`` in-process.
+    """
+    global _current
+    if _current is None:
+        _current = _detect(
+            os.environ.get("ONCA_DEVICE_PROFILE") or None,
+            _env_int("ONCA_ONCHIP_BYTES"),
+            _env_int("ONCA_COMPUTE_UNITS"),
+        )
+    return _current
 
 
 def reset() -> None:
-    """Forget the detected profile (after changing the accelerator setup in-process)."""
+    """Forget the profile in force, so that the next ``get_profile()`` reads the environment again."""
+    global _current
+    _current = None
     _detect.cache_clear()

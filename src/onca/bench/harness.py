@@ -16,6 +16,7 @@ once per sweep at the op's small probe size: a smoke test of the benchmark, not 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import math
@@ -129,14 +130,20 @@ class Harness:
         new_records: list[Record] = []
         work = [(sweep, x, params) for sweep in sweeps for x, params in self.points(bench, sweep)]
         bar = _progress(len(work) * len(self.settings.providers), f"bench {bench.name}", self.progress)
+        # Points with the same parameters (models sharing a hidden size, a D1 point that is also a
+        # D2 point) are measured once and reported under each x.
+        measured: dict[tuple, dict] = {}
         for sweep in sweeps:
             records = self._records_for(bench, sweep, stamp)
             for _, x, params in [w for w in work if w[0] is sweep]:
+                key = tuple(sorted((k, repr(v)) for k, v in params.items() if k != "model"))
                 for provider in self.settings.providers:
                     bar.set_postfix_str(f"{sweep.x_name}={x} {provider}")
-                    points = self._run_point(bench, provider, states[provider], params, x, profile)
-                    for (metric, mode), point in points.items():
-                        records[(provider, metric, mode)].points.append(point)
+                    if (provider, key) not in measured:
+                        measured[(provider, key)] = self._run_point(bench, provider, states[provider], params,
+                                                                    x, profile)
+                    for (metric, mode), point in measured[(provider, key)].items():
+                        records[(provider, metric, mode)].points.append(dataclasses.replace(point, x=x))
                     bar.update(1)
             new_records.extend(records.values())
         bar.close()
@@ -183,7 +190,7 @@ class Harness:
                     out[(metric, mode)] = Point(x, status="unavailable", note=state.note)
             return out
         free = self.free_bytes()
-        inputs = None
+        inputs = run = None
         try:
             for mode in modes:
                 estimate = bench.memory_estimate(params, self.settings.dtype, provider, mode)
@@ -197,10 +204,11 @@ class Harness:
                 try:
                     if inputs is None:
                         inputs = bench.make_inputs(params, self.settings.dtype, self.settings.device)
-                    run = self._factory(bench, provider)(params, inputs)
+                        # Built once per point: modules, options and torch.compile's graph.
+                        run = self._factory(bench, provider)(params, inputs)
                     speed, memory = self._measure(run, inputs, mode)
                 except torch.OutOfMemoryError as exc:
-                    inputs = None
+                    inputs = run = None
                     _free()
                     note = f"out of memory: {str(exc).splitlines()[0][:160]}"
                     for metric in ("speed", "memory"):
@@ -221,7 +229,7 @@ class Harness:
                 else:
                     out[("memory", mode)] = Point(x, memory, memory, memory, estimate_mb=est_mb)
         finally:
-            del inputs
+            del inputs, run
             _free()
         return out
 

@@ -26,21 +26,18 @@ def _sum_partials_kernel(src_ptr, dst_ptr, n_rows, n_cols,
         rows = start + tl.arange(0, BLOCK_ROWS)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         acc += tl.load(src_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    tl.store(dst_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
+    tl.store(dst_ptr + cols, tl.sum(acc, axis=0).to(dst_ptr.dtype.element_ty), mask=col_mask)
 
 
-def sum_partials(partials: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Sum a contiguous fp32 ``(programs, cols)`` buffer over its rows; cast to ``dtype`` if given."""
+def sum_partials(partials: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sum a contiguous fp32 ``(programs, cols)`` buffer over its rows, stored in ``dtype``."""
     n_rows, n_cols = partials.shape
-    if n_rows == 1:
-        total = partials[0]
-    else:
-        # Column tiles of at least 32 fp32 (128 bytes, whole memory transactions), enough of them to
-        # spread over the compute units.
-        units = get_profile().compute_units
-        p = plan_rows(n_rows, n_cols, torch.float32, live_tiles=2, max_block_cols=max(32, n_cols // units))
-        total = torch.empty(n_cols, dtype=torch.float32, device=partials.device)
-        _sum_partials_kernel[(p.col_tiles,)](partials, total, n_rows, n_cols,
-                                             BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
-                                             num_warps=p.num_warps)
-    return total if dtype is None else total.to(dtype)
+    # Column tiles of at least 32 fp32 (128 bytes, whole memory transactions), enough of them to
+    # spread over the compute units.
+    units = get_profile().compute_units
+    p = plan_rows(n_rows, n_cols, torch.float32, live_tiles=2, max_block_cols=max(32, n_cols // units))
+    total = torch.empty(n_cols, dtype=dtype, device=partials.device)
+    _sum_partials_kernel[(p.col_tiles,)](partials, total, n_rows, n_cols,
+                                         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
+                                         num_warps=p.num_warps)
+    return total
