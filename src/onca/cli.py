@@ -158,6 +158,44 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    import dataclasses
+
+    from onca import device
+
+    try:
+        from onca.integrations.transformers import compare, presets
+    except ImportError as exc:
+        print(f"onca compare needs transformers: pip install 'onca[transformers]' ({exc})", file=sys.stderr)
+        return 2
+    where = "cuda" if device.accelerator() == "cuda" else "cpu"
+    settings = compare.defaults_for(where)
+    changes = {k: v for k, v in dict(model=args.model, preset=args.preset, batch=args.batch, seq=args.seq,
+                                     steps=args.steps, dtype=args.dtype, lr=args.lr, layers=args.layers,
+                                     seed=args.seed).items() if v is not None}
+    if args.gradient_checkpointing is not None:
+        changes["gradient_checkpointing"] = args.gradient_checkpointing
+    if args.model is not None and args.preset is None and not os.path.isdir(args.model):
+        # Another family than the default: its first registry preset on a GPU, tiny on the CPU.
+        model_type = presets.resolve_model_type(args.model)
+        choices = list(presets.PRESETS.get(model_type, {}))
+        changes["preset"] = choices[0] if (where == "cuda" and choices) else "tiny"
+    if args.variants:
+        changes["variants"] = args.variants
+    settings = dataclasses.replace(settings, **changes)
+    if settings.steps <= settings.warmup_steps:
+        settings = dataclasses.replace(settings, warmup_steps=max(0, settings.steps - 1))
+    try:
+        results, config = compare.run(settings, show_progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"onca compare: {exc}", file=sys.stderr)
+        return 2
+    print(compare.report(results, settings, config))
+    if args.plot:
+        print(f"plot: {compare.plot(results, settings, args.plot)}")
+    return 0 if all(r.ok or r.variant == "liger" for r in results) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onca", description="Fast, memory-lean Triton kernels for LLM training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +224,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--include-cpu", action="store_true", help="also chart CPU smoke-test rows")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=cmd_bench)
+
+    compare = sub.add_parser(
+        "compare", help="train a model with and without Onca (and liger-kernel) and compare",
+        description="Train the same model from the same seed with Hugging Face alone, with Onca and (when "
+                    "installed) with liger-kernel; print tokens/s, step time, peak memory and the loss of "
+                    "every step side by side. With no arguments: a tiny model on the CPU, a Qwen3-0.6B-shaped "
+                    "model (batch 4, seq 2048, bf16, gradient checkpointing) on a GPU.")
+    compare.add_argument("--model", help="model type (qwen3, llama, mistral, mixtral, qwen2, qwen3_moe, gemma, "
+                                         "gemma2, gemma3, phi3, olmo2, granite) or a local checkpoint path")
+    compare.add_argument("--preset", help="tiny, or a real shape: 0.6b / 8b (qwen3), 8b / 70b (llama), 7b, ...")
+    compare.add_argument("--layers", type=int, help="build fewer layers than the preset has")
+    compare.add_argument("--batch", type=int)
+    compare.add_argument("--seq", type=int)
+    compare.add_argument("--steps", type=int)
+    compare.add_argument("--dtype", type=parse_dtype)
+    compare.add_argument("--lr", type=float)
+    compare.add_argument("--seed", type=int)
+    compare.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None)
+    compare.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    compare.add_argument("--variants", type=_csv_list, help="subset of huggingface,onca,liger")
+    compare.add_argument("--plot", nargs="?", const="onca-compare.png", help="write a PNG (default onca-compare.png)")
+    compare.add_argument("--no-progress", action="store_true")
+    compare.set_defaults(func=cmd_compare)
     return parser
 
 
