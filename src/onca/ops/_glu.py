@@ -111,10 +111,10 @@ def _glu_forward_kernel(
             cols = (tile * BLOCK_COLS + col_offsets)[None, :]
             mask = row_mask[:, None] & (cols < n_cols)
             a = tl.load(a_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(b_rows + cols, mask=mask, other=0.0).to(tl.float32)
             h, _ = _activation(a, ACTIVATION, False)
             # act(a) rounded to the input dtype, as the Hugging Face MLP materialises it
             h = h.to(DTYPE).to(tl.float32)
+            b = tl.load(b_rows + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(c_rows + cols, (h * b).to(DTYPE), mask=mask)
 
 
