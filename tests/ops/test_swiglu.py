@@ -177,6 +177,17 @@ def test_in_place_backward_overwrites_a_and_b(device):
     assert torch.equal(dg, torch.cat(expected, dim=-1))
 
 
+def test_expanded_incoming_gradient(device):
+    """``c.sum().backward()`` hands the backward a stride-0 gradient."""
+    a = layout_leaf(randn(*BASE_SHAPE, device=device, std=2.0))
+    b = layout_leaf(randn(*BASE_SHAPE, device=device))
+    swiglu(a, b).sum().backward()
+    ref, a64, b64 = reference(a, b)
+    ref.sum().backward()
+    assert_close(a.grad, a64.grad, torch.float32, "da")
+    assert_close(b.grad, b64.grad, torch.float32, "db")
+
+
 def test_does_not_modify_caller_tensors(device):
     a = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     b = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
