@@ -1,8 +1,9 @@
 """GeGLU: ``c = gelu(a) * b`` (``a``: gate projection, ``b``: up projection, ``(..., intermediate)``).
 
-``approximate="tanh"`` is PyTorch's ``gelu(approximate="tanh")`` (Gemma's ``gelu_pytorch_tanh``,
-``tanh`` evaluated as ``2 * sigmoid(2u) - 1``), ``approximate="none"`` the exact ``a * Phi(a)`` with
-``erf``. The kernels are the gated-activation kernels of :mod:`onca.ops._glu`; that module's
+``approximate="tanh"`` is PyTorch's ``gelu(approximate="tanh")`` (Gemma's ``gelu_pytorch_tanh``),
+evaluated as ``a * sigmoid(2u)``, the same function as ``0.5 * a * (1 + tanh(u))`` without its
+cancellation for negative ``a`` (closer to float64 than PyTorch's own fp32 kernel);
+``approximate="none"`` is the exact ``a * Phi(a)`` with ``erf``. The kernels are the gated-activation kernels of :mod:`onca.ops._glu`; that module's
 docstring describes rounding, layouts and memory. In short:
 
 - forward: ``gelu(a)`` in fp32, rounded to the input dtype, times ``b`` in fp32, rounded (as
