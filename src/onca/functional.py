@@ -25,3 +25,46 @@ def rms_norm(
     ``in_place=True`` lets the backward pass write ``dx`` into the incoming gradient's storage.
     """
     return _rms_norm(x, weight, eps, offset, casting_mode, in_place)
+
+
+# ------------------------------------------------------------------------ SwiGLU / GeGLU (issue 4)
+
+from onca.ops.geglu import geglu as _geglu  # noqa: E402
+from onca.ops.geglu import geglu_linear as _geglu_linear  # noqa: E402
+from onca.ops.swiglu import swiglu as _swiglu  # noqa: E402
+from onca.ops.swiglu import swiglu_linear as _swiglu_linear  # noqa: E402
+
+__all__ += ["swiglu", "geglu", "swiglu_linear", "geglu_linear"]
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
+    """SwiGLU ``silu(a) * b`` over ``(..., intermediate)``, rounded as the Hugging Face MLPs round.
+
+    ``a`` and ``b`` (gate and up projections) may be strided row views, e.g. the halves of a fused
+    ``gate_up`` output, and are not copied. ``b=None``: ``a`` is that fused ``[gate | up]`` tensor
+    ``(..., 2 * intermediate)`` itself. The backward recomputes ``silu(a)``; ``in_place=True`` writes
+    the gradients over ``a`` and ``b`` (no allocation; do not reuse ``a``/``b`` or backward twice).
+    """
+    return _swiglu(a, b, in_place)
+
+
+def geglu(a: torch.Tensor, b: torch.Tensor | None = None, approximate: str = "tanh",
+          in_place: bool = False) -> torch.Tensor:
+    """GeGLU ``gelu(a) * b``; ``approximate="tanh"`` (Gemma's ``gelu_pytorch_tanh``) or ``"none"``
+    (exact erf). Layouts, ``b=None`` and ``in_place`` as in :func:`swiglu`."""
+    return _geglu(a, b, approximate, in_place)
+
+
+def swiglu_linear(a: torch.Tensor, b: torch.Tensor | None, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
+    """The SwiGLU MLP tail ``linear(silu(a) * b, weight, bias)``, keeping only ``a`` and ``b`` for
+    the backward (the product is recomputed there instead of stored). ``in_place=True`` writes the
+    gradients over ``a``/``b``; a second backward through the same graph is then an error."""
+    return _swiglu_linear(a, b, weight, bias, in_place)
+
+
+def geglu_linear(a: torch.Tensor, b: torch.Tensor | None, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None, approximate: str = "tanh",
+                 in_place: bool = False) -> torch.Tensor:
+    """The GeGLU MLP tail ``linear(gelu(a) * b, weight, bias)``, as :func:`swiglu_linear`."""
+    return _geglu_linear(a, b, weight, bias, approximate, in_place)

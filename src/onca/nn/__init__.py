@@ -3,3 +3,6 @@
 from onca.nn.rms_norm import RMSNorm
 
 __all__ = ["RMSNorm"]
+from onca.nn.mlp import GeGLUMLP, SwiGLUMLP  # noqa: E402
+
+__all__ += ["SwiGLUMLP", "GeGLUMLP"]
