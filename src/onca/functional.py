@@ -39,6 +39,7 @@ def rotary_pos_emb(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     unsqueeze_dim: int = 1,
+    in_place_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding of ``q`` and ``k`` in one launch: a drop-in for transformers'
     ``apply_rotary_pos_emb`` (Llama, Qwen, Mistral, ...; Phi-3 style partial rotary included).
@@ -50,6 +51,7 @@ def rotary_pos_emb(
     ``(1 or batch, seq, rotary_dim)``. Strided views (e.g. transposed projections) are read in place.
     The results are new tensors in the inputs' layout and promoted dtype; ``cos``/``sin`` get no
     gradient. ``position_ids`` is ignored, as in transformers (an ``int`` there is taken as
-    transformers 5's positional ``unsqueeze_dim``).
+    transformers 5's positional ``unsqueeze_dim``). ``in_place_backward=True`` writes ``dq``/``dk``
+    over the incoming gradients (saves memory; only when nothing else reads those gradients).
     """
-    return _rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return _rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, in_place_backward)

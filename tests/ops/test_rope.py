@@ -213,7 +213,7 @@ def test_d2_plans_fit_every_profile(profile_name, dtype):
         if profile.persistent:
             assert p.grid <= profile.compute_units, name
         if profile.kind == "npu":
-            for block in (p.block_cols, t.block_j, t.block_p):
+            for block in (p.block_cols, t.block_j) + ((t.block_p,) if t.pass_cols else ()):
                 assert (block * itemsize) % 32 == 0, (name, block)
         # The tile covers every head and every column of each half.
         assert t.block_hq * -(-hq // t.block_hq) >= hq and t.block_hk * -(-hk // t.block_hk) >= hk
@@ -260,6 +260,21 @@ def test_outputs_are_new_and_inputs_untouched(device):
     assert qe.untyped_storage().data_ptr() not in storages and ke.untyped_storage().data_ptr() not in storages
 
 
+@pytest.mark.parametrize("layout", [1, 2])
+def test_in_place_backward_reuses_gradients(device, layout):
+    q, k, cos, sin = make(BASE, torch.bfloat16, device, layout)
+    q1, k1 = leaf(q), leaf(k)
+    outs = rotary_pos_emb(q1, k1, cos, sin, unsqueeze_dim=layout)
+    grads = tuple(torch.randn_like(t) for t in outs)
+    expected = torch.autograd.grad(outs, (q1, k1), tuple(g.clone() for g in grads))
+    q2, k2 = leaf(q), leaf(k)
+    outs = rotary_pos_emb(q2, k2, cos, sin, unsqueeze_dim=layout, in_place_backward=True)
+    got = torch.autograd.grad(outs, (q2, k2), grads)
+    for g, buffer, e in zip(got, grads, expected):
+        assert g.data_ptr() == buffer.data_ptr(), "in_place_backward=True must write into the gradient"
+        assert torch.equal(g, e)
+
+
 def test_cos_sin_get_no_gradient_and_unused_output(device):
     q, k, cos, sin = make(BASE, torch.float32, device)
     cos, sin = leaf(cos), leaf(sin)
@@ -300,5 +315,7 @@ def test_bad_input(device):
         rotary_pos_emb(q, k, wide, wide)
     with pytest.raises(ValueError, match="q is empty"):
         rotary_pos_emb(q[:, :, :0], k[:, :, :0], cos[:, :0], sin[:, :0])
+    with pytest.raises(TypeError, match="in_place_backward"):
+        rotary_pos_emb(q, k, cos, sin, in_place_backward=1)
     with pytest.raises(ValueError, match="cos is on meta"):
         rotary_pos_emb(q, k, torch.empty(cos.shape, device="meta"), sin)

@@ -227,7 +227,8 @@ def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile) 
     pass_cols = head_dim - rotary_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
     min_block = next_power_of_2(-(-profile.align_bytes // itemsize))
-    block_p = min(max(next_power_of_2(max(pass_cols, 1)), min_block), 2 * block_j)
+    # Pass-through columns are copied this many at a time (1: no pass-through part, no variant).
+    block_p = min(max(next_power_of_2(pass_cols), min_block), 2 * block_j) if pass_cols else 1
     return RopeTiles(
         plan=p, half=half, pass_cols=pass_cols, block_t=p.block_rows,
         block_hq=min(block_h, next_power_of_2(n_q_heads)), block_hk=min(block_h, next_power_of_2(n_kv_heads)),
@@ -284,11 +285,26 @@ def _new_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(t, dtype=dtype, memory_format=torch.preserve_format)
 
 
-def rope_apply(xq, xk, cos, sin, yq_dtype, yk_dtype, unsqueeze_dim: int, backward: bool):
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (some permutation is contiguous)."""
+    order = sorted(range(t.dim()), key=lambda i: t.stride(i), reverse=True)
+    return t.permute(order).is_contiguous()
+
+
+def _reusable(grad: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether the kernel may write its result over ``grad`` (same dtype, unit last-dim stride,
+    no element stored twice)."""
+    return grad is not None and grad.dtype == dtype and grad.stride(-1) == 1 and _dense(grad)
+
+
+def rope_apply(xq, xk, cos, sin, yq_dtype, yk_dtype, unsqueeze_dim: int, backward: bool,
+               yq=None, yk=None):
     """Launch the kernel once for ``q`` and ``k`` (or ``dq_embed`` and ``dk_embed`` when
-    ``backward``); returns the two new tensors."""
+    ``backward``); returns the results: new tensors, or ``yq``/``yk`` where given (``yq is xq``
+    computes in place: every element is loaded before its own store)."""
     xq, xk, cos, sin = _unit_last(xq), _unit_last(xk), _unit_last(cos), _unit_last(sin)
-    yq, yk = _new_like(xq, yq_dtype), _new_like(xk, yk_dtype)
+    yq = _new_like(xq, yq_dtype) if yq is None else yq
+    yk = _new_like(xk, yk_dtype) if yk is None else yk
     if unsqueeze_dim == 1:
         batch, hq, seq, d = xq.shape
         hk = xk.shape[1]
@@ -317,34 +333,48 @@ def rope_apply(xq, xk, cos, sin, yq_dtype, yk_dtype, unsqueeze_dim: int, backwar
 
 class RotaryPosEmbFunction(torch.autograd.Function):
     """Autograd wrapper. Saves ``cos`` and ``sin`` (the caller's tensors, not copies); ``q`` and
-    ``k`` are not needed by the backward pass. ``cos`` and ``sin`` get no gradient."""
+    ``k`` are not needed by the backward pass. ``cos`` and ``sin`` get no gradient.
+
+    ``in_place_backward=True`` writes ``dq``/``dk`` over the incoming gradients of ``q_embed``/
+    ``k_embed`` where their dtype and layout allow (saves one q+k-sized buffer; liger-kernel always
+    does this). Only safe when nothing else reads those gradients afterwards: not when ``q_embed``
+    feeds a node (e.g. an addition) whose gradient tensor is shared with another branch.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, in_place_backward=False):
         unsqueeze_dim = _validate(q, k, cos, sin, unsqueeze_dim)
+        if not isinstance(in_place_backward, bool):
+            raise TypeError(f"in_place_backward must be a bool, got {type(in_place_backward).__name__}")
         q_dtype = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
         k_dtype = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
         q_embed, k_embed = rope_apply(q, k, cos, sin, q_dtype, k_dtype, unsqueeze_dim, backward=False)
         ctx.save_for_backward(cos, sin)
         ctx.set_materialize_grads(False)
         ctx.unsqueeze_dim, ctx.q_dtype, ctx.k_dtype = unsqueeze_dim, q.dtype, k.dtype
+        ctx.in_place = in_place_backward
         ctx.out_meta = ((q_embed.shape, q_dtype), (k_embed.shape, k_dtype))
         return q_embed, k_embed
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         if dq_embed is None and dk_embed is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         cos, sin = ctx.saved_tensors
         grads = [dq_embed, dk_embed]
         for i, (shape, dtype) in enumerate(ctx.out_meta):
             if grads[i] is None:  # that output was not used: its input gets no gradient (as in eager)
                 grads[i] = torch.zeros(shape, dtype=dtype, device=cos.device)
+        outs = [None, None]
+        if ctx.in_place:
+            for i, dtype in enumerate((ctx.q_dtype, ctx.k_dtype)):
+                if _reusable(grads[i], dtype):
+                    outs[i] = grads[i]
         dq, dk = rope_apply(grads[0], grads[1], cos, sin, ctx.q_dtype, ctx.k_dtype, ctx.unsqueeze_dim,
-                            backward=True)
+                            backward=True, yq=outs[0], yk=outs[1])
         dq = dq if ctx.needs_input_grad[0] and dq_embed is not None else None
         dk = dk if ctx.needs_input_grad[1] and dk_embed is not None else None
-        return dq, dk, None, None, None
+        return dq, dk, None, None, None, None
 
 
 _LAYOUTS = {1: "(batch, heads, seq, head_dim)", 2: "(batch, seq, heads, head_dim)"}
@@ -393,13 +423,14 @@ def _validate(q, k, cos, sin, unsqueeze_dim) -> int:
     return unsqueeze_dim
 
 
-def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, in_place_backward=False):
     """``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``: see the module docstring.
 
     ``position_ids`` is accepted and ignored, as in transformers' ``apply_rotary_pos_emb`` (4.x took
     it and did not use it; ``cos``/``sin`` are already gathered for the positions). Transformers 5
     dropped the argument, so its fifth positional argument is ``unsqueeze_dim``: an ``int`` passed
     here as ``position_ids`` is taken as ``unsqueeze_dim``, so calls written for either version work.
+    ``in_place_backward``: see ``RotaryPosEmbFunction``.
     """
     if position_ids is not None and not isinstance(position_ids, torch.Tensor):
         if isinstance(position_ids, int) and not isinstance(position_ids, bool) and unsqueeze_dim == 1:
@@ -409,4 +440,4 @@ def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
                 "position_ids must be a torch.Tensor or None (it is unused; cos and sin carry the "
                 f"positions), got {type(position_ids).__name__}; pass unsqueeze_dim by keyword"
             )
-    return RotaryPosEmbFunction.apply(q, k, cos, sin, unsqueeze_dim)
+    return RotaryPosEmbFunction.apply(q, k, cos, sin, unsqueeze_dim, in_place_backward)
