@@ -203,7 +203,7 @@ class RopeTiles:
 
 
 def _widest(*dtypes: torch.dtype) -> torch.dtype:
-    return max(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
+    return max(dtypes, key=lambda d: d.itemsize)
 
 
 def tiles(tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dim: int,
@@ -225,7 +225,7 @@ def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile) 
     block_j = min(half_pad, p.block_cols)
     block_h = p.block_cols // block_j
     pass_cols = head_dim - rotary_dim
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     min_block = next_power_of_2(-(-profile.align_bytes // itemsize))
     # Pass-through columns are copied this many at a time (1: no pass-through part, no variant).
     block_p = min(max(next_power_of_2(pass_cols), min_block), 2 * block_j) if pass_cols else 1
@@ -265,9 +265,8 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 def _bsh_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a q/k-shaped tensor in the given layout."""
-    if unsqueeze_dim == 1:  # (batch, heads, seq, head_dim)
-        return t.stride(0), t.stride(2), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)  # (batch, seq, heads, head_dim)
+    sb, s1, s2, _ = t.stride()
+    return (sb, s2, s1) if unsqueeze_dim == 1 else (sb, s1, s2)  # (B, H, S, D) or (B, S, H, D)
 
 
 def _cs_strides(t: torch.Tensor) -> tuple[int, int]:
