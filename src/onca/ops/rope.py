@@ -27,7 +27,8 @@ Face expression does; the kernels compute in fp32 and round once.
 Backward is the adjoint of the rotation (with duplicated cos/sin rows: the rotation by ``-sin``),
 one launch for ``dq`` and ``dk``. Saved for backward: ``cos`` and ``sin`` only (references to the
 caller's tensors, no copies). ``cos``/``sin`` get no gradient (``None``): they are derived from
-fixed frequencies and positions and are never trained.
+fixed frequencies and positions and are never trained. ``in_place_backward=True`` (opt-in) writes
+``dq``/``dk`` over the incoming gradients instead of new buffers.
 """
 
 from __future__ import annotations
@@ -178,7 +179,11 @@ class RopeTiles:
 
     A tile is ``block_t`` tokens x ``block_hq`` (``block_hk``) heads x ``block_j`` columns of each
     rotary half; ``block_p`` columns of a partial-rotary head's pass-through part are copied at a
-    time. ``plan.grid`` programs loop over the ``plan.row_blocks`` token blocks.
+    time. ``plan.grid`` programs loop over the ``plan.row_blocks`` token blocks (a persistent grid
+    on Ascend: at most one program per vector core). The plan's cols are ``max(Hq, Hk)`` times the
+    half width rounded up to a power of two; when they do not fit one tile (``plan.col_tiles > 1``)
+    the kernel loops over head blocks and half-width tiles with the token's cos/sin held, still in
+    one pass over memory (the planner's generic "two passes" wording does not apply here).
     """
 
     plan: RowPlan
