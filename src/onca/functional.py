@@ -27,7 +27,7 @@ def rms_norm(
     return _rms_norm(x, weight, eps, offset, casting_mode, in_place)
 
 
-from onca.ops.rope import rotary_pos_emb as _rotary_pos_emb  # noqa: E402
+from onca.ops.rope import rotary_pos_emb as _rotary_pos_emb
 
 __all__ += ["rotary_pos_emb"]
 

@@ -12,8 +12,8 @@ from onca.ops import rope as op
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, randn
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope  # noqa: E402
-from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
 
 rotary_pos_emb = onca.functional.rotary_pos_emb
 

@@ -44,7 +44,7 @@ from onca.device import DeviceProfile, get_profile
 from onca.ops._validate import check_float, check_nonempty, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
-__all__ = ["rotary_pos_emb", "RotaryPosEmbFunction", "RopeTiles", "plan", "tiles"]
+__all__ = ["RopeTiles", "RotaryPosEmbFunction", "plan", "rotary_pos_emb", "tiles"]
 
 # Live tiles of the kernel per element of a (tokens x heads x half-width) tile, as the planner
 # counts them: x1, x2 as loaded and y1, y2 as stored (input / output dtype); x1, x2, y1, y2 in fp32;
@@ -404,7 +404,7 @@ def _validate(q, k, cos, sin, unsqueeze_dim) -> int:
         check_nonempty(t, name)
     for t, name in ((k, "k"), (cos, "cos"), (sin, "sin")):
         check_same_device(t, name, q, "q")
-    h_dim, s_dim = (1, 2) if unsqueeze_dim == 1 else (2, 1)
+    s_dim = 2 if unsqueeze_dim == 1 else 1
     batch, seq, head_dim = q.shape[0], q.shape[s_dim], q.shape[3]
     if k.shape[0] != batch or k.shape[s_dim] != seq or k.shape[3] != head_dim:
         raise ValueError(

@@ -45,7 +45,7 @@ def onca(p, inputs):
 
 
 def reference(p, inputs):
-    b, s, hq, hk, d, r = _dims(p)
+    d, r = _dims(p)[4:]
     if r == d:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     else:  # partial rotary: the Phi-3 function slices, rotates and concatenates
