@@ -36,7 +36,7 @@ from torch import nn
 
 from onca.ops._glu import GLUFunction, GLULinearFunction
 
-__all__ = ["SwiGLUMLP", "GeGLUMLP", "SILU_ACTIVATIONS", "GELU_ACTIVATIONS"]
+__all__ = ["SwiGLUMLP", "GeGLUMLP", "SILU_ACTIVATIONS", "GELU_ACTIVATIONS", "gated_mlp_tail"]
 
 SILU_ACTIVATIONS = ("silu", "swish")
 # Hugging Face activation names -> the kernels' activation.
@@ -49,6 +49,21 @@ GELU_ACTIVATIONS = {
     "gelu_python": "gelu",
 }
 _APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
+
+
+def gated_mlp_tail(gate: torch.Tensor, up: torch.Tensor | None, down_proj: nn.Module, activation: str, *,
+                   recompute: bool = True, in_place: bool = True) -> torch.Tensor:
+    """``down_proj(act(gate) * up)`` (``up=None``: ``gate`` is the fused ``[gate | up]`` output).
+
+    With ``recompute`` and a plain ``nn.Linear`` ``down_proj`` (no hooks), the product is not stored
+    for the weight gradient but recomputed in the backward (see the module docstring); otherwise the
+    plain path with Onca's activation kernel. Shared by the modules here and by ``onca.apply``.
+    """
+    plain = (recompute and type(down_proj) is nn.Linear
+             and not down_proj._forward_hooks and not down_proj._forward_pre_hooks)
+    if plain:
+        return GLULinearFunction.apply(gate, up, down_proj.weight, down_proj.bias, activation, in_place)
+    return down_proj(GLUFunction.apply(gate, up, activation, in_place, True))
 
 
 class _GatedMLP(nn.Module):
@@ -80,23 +95,13 @@ class _GatedMLP(nn.Module):
             self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
-    def _plain_down_proj(self) -> bool:
-        down = self.down_proj
-        return (
-            self.recompute and type(down) is nn.Linear
-            and not down._forward_hooks and not down._forward_pre_hooks
-        )
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up:
             gate, up = self.gate_up_proj(x), None
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if self._plain_down_proj():
-            return GLULinearFunction.apply(
-                gate, up, self.down_proj.weight, self.down_proj.bias, self.activation, self.in_place
-            )
-        return self.down_proj(GLUFunction.apply(gate, up, self.activation, self.in_place, True))
+        return gated_mlp_tail(gate, up, self.down_proj, self.activation, recompute=self.recompute,
+                              in_place=self.in_place)
 
     def extra_repr(self) -> str:
         return (

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from onca import functional as OF
 from onca.integrations.transformers.families import NORM_ARITHMETIC, Family
+from onca.nn.mlp import GELU_ACTIVATIONS, gated_mlp_tail
 
 IGNORE_INDEX = -100
 
@@ -46,19 +47,18 @@ layer_norm_forward.__onca__ = "layer_norm"
 
 
 def swiglu_mlp_forward(self, x):
-    return self.down_proj(OF.swiglu(self.gate_proj(x), self.up_proj(x)))
+    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu")
 
 
 def phi3_mlp_forward(self, hidden_states):
-    # gate_up_proj holds [gate; up]; the two halves are strided views, read without a copy.
-    gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-    return self.down_proj(OF.swiglu(gate, up))
+    # gate_up_proj holds [gate; up]; the kernels read its halves in place, no copy.
+    return gated_mlp_tail(self.gate_up_proj(hidden_states), None, self.down_proj, "silu")
 
 
 def geglu_mlp_forward(self, x):
-    act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", "gelu_pytorch_tanh")
-    approximate = "none" if act == "gelu" else "tanh"
-    return self.down_proj(OF.geglu(self.gate_proj(x), self.up_proj(x), approximate=approximate))
+    act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", None)
+    activation = GELU_ACTIVATIONS.get(act, "gelu_tanh")
+    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation)
 
 
 MLP_FORWARDS = {"swiglu": swiglu_mlp_forward, "phi3": phi3_mlp_forward, "geglu": geglu_mlp_forward}
