@@ -85,7 +85,8 @@ def test_shapes(profile, device, shape):
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 @pytest.mark.parametrize("log_target", [False, True])
 def test_target_gradient(device, reduction, log_target):
-    check(*make_inputs(BASE_SHAPE, torch.float32, device, log_target), reduction, log_target, target_grad=True)
+    x, t = make_inputs(BASE_SHAPE, torch.float32, device, log_target)
+    check(x, t, reduction, log_target, target_grad=True)
 
 
 def test_mixed_dtypes(device):

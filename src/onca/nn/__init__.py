@@ -3,3 +3,8 @@
 from onca.nn.rms_norm import RMSNorm
 
 __all__ = ["RMSNorm"]
+from onca.nn.kl_div import KLDivLoss  # noqa: E402
+from onca.nn.jsd import JSD  # noqa: E402
+from onca.nn.fused_linear_jsd import FusedLinearJSD  # noqa: E402
+
+__all__ += ["KLDivLoss", "JSD", "FusedLinearJSD"]

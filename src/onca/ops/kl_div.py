@@ -100,7 +100,8 @@ def _kl_div_kernel(
             t = tl.load(t_ptr + rows64 * t_row_stride + cols[None, :], mask=mask,
                         other=0.0 if LOG_TARGET else 1.0).to(tl.float32)
             if LOSS != 0 or WRITE_DT:
-                x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
+                x = x.to(tl.float32)
             if LOG_TARGET:
                 p = tl.exp(t)
             else:
@@ -176,7 +177,8 @@ def _launch(p: RowPlan, x, t, g, loss, dx, dt, scale, log_target, loss_mode, g_m
     )
 
 
-def kl_div_forward(x2d, t2d, reduction: str, log_target: bool, out_dtype, scale: float, with_grad: bool):
+def kl_div_forward(x2d, t2d, reduction: str, log_target: bool, out_dtype, scale: float,
+                   with_grad: bool):
     """The loss (elementwise or row sums, reduced here) and, when ``with_grad``, ``dinput`` for an
     incoming gradient of 1 (scalar reductions only)."""
     rows, cols = x2d.shape
