@@ -37,8 +37,10 @@ import torch
 
 from onca.device import DeviceProfile, free_memory
 from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
-from onca.ops.jsd import TILES, check_beta, check_labels, check_temperature, jsd_rows, token_scale
-from onca.tiling import ChunkPlan, RowPlan, plan_rows, plan_token_chunks
+from onca.ops.jsd import (
+    check_beta, check_labels, check_temperature, jsd_rows, plan_divergence, token_scale,
+)
+from onca.tiling import ChunkPlan, RowPlan, plan_token_chunks
 
 __all__ = [
     "fused_linear_jsd", "FusedLinearJSDFunction", "plan", "chunk_plan", "MIN_CHUNK_TOKENS", "REDUCTIONS",
@@ -68,7 +70,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
         raise ValueError(f"fused_linear_jsd plans take shape (tokens, hidden, vocab), got {shape}")
     tokens, hidden, vocab = shape
     chunks = chunk_plan(tokens, vocab, hidden)
-    divergence = plan_rows(chunks.chunk, vocab, torch.float32, profile=profile, **TILES)
+    divergence = plan_divergence(chunks.chunk, vocab, torch.float32, True, profile)
     return {"chunks": chunks, "divergence": divergence}
 
 

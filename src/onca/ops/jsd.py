@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
 from onca.ops._validate import (
     as_rows,
     check_float,
@@ -55,13 +55,21 @@ from onca.ops._validate import (
 )
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["jsd", "JSDFunction", "REDUCTIONS", "plan", "jsd_rows", "check_beta", "check_temperature"]
+__all__ = [
+    "jsd", "JSDFunction", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "check_beta",
+    "check_temperature",
+]
 
 REDUCTIONS = ("none", "sum", "mean")
 
 # Live tiles (input dtype; fp32): input, target and dinput; their fp32 forms, the mixture's
 # log-probability, the two probabilities and the per-element loss and gradient.
 TILES = dict(live_tiles=3, fp32_tiles=6)
+# On a GPU registers bound the tile: the normalising path keeps ~15 fp32 values per element alive
+# (sm_90: ~122 registers at 8 elements per thread, 254 at 16, spills at 32), so its tiles hold at
+# most this many elements per thread of the largest program; every launch gets at least the warps
+# that give its tile this many elements per thread (the one-pass path: 40-110 registers).
+ELEMENTS_PER_THREAD = 8
 
 _FORWARD_KL, _REVERSE_KL, _GENERAL = 0, 1, 2
 _NEG_INF = float("-inf")
@@ -250,11 +258,32 @@ def _rows_cols(shape) -> tuple[int, int]:
     return rows, shape[-1]
 
 
+def plan_divergence(rows: int, cols: int, dtype: torch.dtype, normalize: bool,
+                    profile: DeviceProfile | None = None) -> RowPlan:
+    """The divergence kernel's plan; on a GPU the normalising path's tiles are capped at
+    ``ELEMENTS_PER_THREAD`` per thread of a ``max_warps`` program (see ``launch_warps``)."""
+    profile = profile or get_profile()
+    cap = None
+    if normalize and profile.kind == "cuda":
+        cap = profile.max_warps * 32 * ELEMENTS_PER_THREAD
+    return plan_rows(rows, cols, dtype, profile=profile, max_block_cols=cap, **TILES)
+
+
+def launch_warps(p: RowPlan, profile: DeviceProfile | None = None) -> int:
+    """Warps for a launch of plan ``p``: enough that each thread holds at most
+    ``ELEMENTS_PER_THREAD`` elements of a tile, within the profile's cap."""
+    profile = profile or get_profile()
+    wanted = p.block_rows * p.block_cols // (32 * ELEMENTS_PER_THREAD)
+    return max(p.num_warps, min(profile.max_warps, wanted))
+
+
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
-    """The plan for inputs of ``shape`` (``(..., vocab)``): one kernel serves the forward pass
-    and the backward pass of ``reduction="none"``."""
+    """The plans for inputs of ``shape`` (``(..., vocab)``): one kernel serves the forward pass
+    and the backward pass of ``reduction="none"``; ``log_probs`` is its one-pass path (temperature
+    1), ``normalizing`` the log-softmax path (temperature != 1, or ``from_logits``)."""
     rows, cols = _rows_cols(shape)
-    return {"divergence": plan_rows(rows, cols, dtype, profile=profile, **TILES)}
+    return {"log_probs": plan_divergence(rows, cols, dtype, False, profile),
+            "normalizing": plan_divergence(rows, cols, dtype, True, profile)}
 
 
 def mode_of(beta: float) -> int:
@@ -271,7 +300,7 @@ def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, 
     it is written). Used by this op and by the fused linear JSD.
     """
     rows, cols = x2d.shape
-    p = plan_rows(rows, cols, x2d.dtype, **TILES)
+    p = plan_divergence(rows, cols, x2d.dtype, normalize)
     _jsd_kernel[(p.grid,)](
         x2d, y2d, labels, g, dx, row_loss,
         rows, cols, x2d.stride(0), y2d.stride(0), dx.stride(0) if dx is not None else 0,
@@ -279,7 +308,7 @@ def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, 
         MODE=mode_of(beta), NORMALIZE=bool(normalize), HAS_LABELS=labels is not None,
         G_PER_ROW=bool(g_per_row), WRITE_GRAD=dx is not None,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-        num_warps=p.num_warps,
+        num_warps=launch_warps(p),
     )
 
 
