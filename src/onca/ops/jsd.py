@@ -38,6 +38,7 @@ through the log-softmax. Reductions are deterministic (one row sum per row, adde
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -260,21 +261,17 @@ def _rows_cols(shape) -> tuple[int, int]:
 
 def plan_divergence(rows: int, cols: int, dtype: torch.dtype, normalize: bool,
                     profile: DeviceProfile | None = None) -> RowPlan:
-    """The divergence kernel's plan; on a GPU the normalising path's tiles are capped at
-    ``ELEMENTS_PER_THREAD`` per thread of a ``max_warps`` program (see ``launch_warps``)."""
+    """The divergence kernel's plan. On a GPU the normalising path's tiles are capped at
+    ``ELEMENTS_PER_THREAD`` per thread of a ``max_warps`` program, and every plan gets at least the
+    warps that give its tile that many elements per thread (within the profile's cap)."""
     profile = profile or get_profile()
     cap = None
     if normalize and profile.kind == "cuda":
         cap = profile.max_warps * 32 * ELEMENTS_PER_THREAD
-    return plan_rows(rows, cols, dtype, profile=profile, max_block_cols=cap, **TILES)
-
-
-def launch_warps(p: RowPlan, profile: DeviceProfile | None = None) -> int:
-    """Warps for a launch of plan ``p``: enough that each thread holds at most
-    ``ELEMENTS_PER_THREAD`` elements of a tile, within the profile's cap."""
-    profile = profile or get_profile()
+    p = plan_rows(rows, cols, dtype, profile=profile, max_block_cols=cap, **TILES)
     wanted = p.block_rows * p.block_cols // (32 * ELEMENTS_PER_THREAD)
-    return max(p.num_warps, min(profile.max_warps, wanted))
+    warps = max(p.num_warps, min(profile.max_warps, wanted))
+    return p if warps == p.num_warps else dataclasses.replace(p, num_warps=warps)
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
@@ -308,7 +305,7 @@ def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, 
         MODE=mode_of(beta), NORMALIZE=bool(normalize), HAS_LABELS=labels is not None,
         G_PER_ROW=bool(g_per_row), WRITE_GRAD=dx is not None,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-        num_warps=launch_warps(p),
+        num_warps=p.num_warps,
     )
 
 
