@@ -38,7 +38,12 @@ import torch
 from onca.device import DeviceProfile, free_memory
 from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
 from onca.ops.jsd import (
-    check_beta, check_labels, check_temperature, jsd_rows, plan_divergence, token_scale,
+    check_beta,
+    check_labels,
+    check_temperature,
+    jsd_rows,
+    plan_divergence,
+    token_scale,
 )
 from onca.tiling import ChunkPlan, RowPlan, plan_token_chunks
 
