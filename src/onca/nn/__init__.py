@@ -6,3 +6,8 @@ __all__ = ["RMSNorm"]
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP  # noqa: E402
 
 __all__ += ["SwiGLUMLP", "GeGLUMLP"]
+from onca.nn.kl_div import KLDivLoss  # noqa: E402
+from onca.nn.jsd import JSD  # noqa: E402
+from onca.nn.fused_linear_jsd import FusedLinearJSD  # noqa: E402
+
+__all__ += ["KLDivLoss", "JSD", "FusedLinearJSD"]
