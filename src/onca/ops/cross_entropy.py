@@ -85,7 +85,7 @@ def _gradient(x, cols, y, lse, scale, z_factor, smooth_eps, target_weight, softc
     g = p * z_factor[:, None] - smooth_eps
     g = tl.where(cols[None, :] == y[:, None], g - target_weight, g)
     if HAS_SOFTCAP:
-        t = x / softcap
+        t = tl.where(x == float("-inf"), 0.0, x) / softcap  # masked columns: keep 0 * inf out
         g = g * (1.0 - t * t)
     return tl.where(valid[:, None], g * scale[:, None], 0.0)
 
