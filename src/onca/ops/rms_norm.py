@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
+from onca.ops._partials import sum_partials
 from onca.ops._validate import as_rows, check_float, check_last_dim, check_nonempty, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
@@ -221,7 +222,7 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, casting: int, in_p
         CASTING=casting, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
-    return dx, dw_partial.sum(dim=0).to(weight.dtype)
+    return dx, sum_partials(dw_partial, weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------- autograd
