@@ -226,6 +226,29 @@ def test_in_place_backward_writes_the_gradient_over_the_logits(device):
     assert_close(grad, expected, torch.bfloat16, "dlogits")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_in_place_backward_twice(device, reduction):
+    """retain_graph=True: the gradient kept in the logits is handed over again, rescaled."""
+    logits = make_logits((TOKENS, VOCAB), torch.float32, device)
+    target = make_target(TOKENS, VOCAB, device)
+    ref = leaf(logits)
+    (cross_entropy(ref, target, reduction=reduction) * 1.0).sum().backward()
+    base = leaf(logits)
+    loss = cross_entropy(base.clone(), target, reduction=reduction, in_place_backward=True)
+    g = torch.ones_like(loss)
+    for _ in range(2):
+        base.grad = None
+        loss.backward(g, retain_graph=True)
+        assert_close(base.grad, ref.grad, torch.float32, "dlogits")
+    if reduction == "mean":
+        base.grad = None
+        loss.backward(torch.tensor(3.0), retain_graph=True)
+        assert_close(base.grad, 3 * ref.grad, torch.float32, "dlogits x3")
+    else:
+        with pytest.raises(RuntimeError, match="different per-token"):
+            loss.backward(2 * g)
+
+
 def test_in_place_backward_catches_saved_logits(device):
     """Logits that another op saved for its backward cannot be overwritten silently."""
     base = leaf(make_logits((TOKENS, VOCAB), torch.float32, device))

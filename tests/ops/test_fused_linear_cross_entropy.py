@@ -267,13 +267,25 @@ def test_does_not_modify_inputs_and_is_deterministic(device):
         assert torch.equal(a, b_)
 
 
-def test_second_backward_is_refused(device):
+def test_backward_twice(device):
+    """retain_graph=True (or a benchmark timing backward alone): the forward-pass gradients are handed
+    over again, rescaled to the new incoming gradient, unless someone modified them meanwhile."""
     h, w, _, t = make_inputs(BASE, torch.float32, device)
-    hk = leaf(h)
-    loss = fused_linear_cross_entropy(hk, w, t)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward"):
-        loss.backward()
+    ref, (h64, _, _), _ = reference(h, w, None, t)
+    ref.backward()
+    hk, wk = leaf(h), leaf(w)
+    loss = fused_linear_cross_entropy(hk, wk, t, chunk_tokens=CHUNK)
+    loss.backward(torch.tensor(2.0), retain_graph=True)
+    assert_close(hk.grad, 2 * h64.grad, torch.float32, "dhidden x2")
+    hk.grad = wk.grad = None
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    assert_close(hk.grad, 0.5 * h64.grad, torch.float32, "dhidden x0.5")
+    # Accumulating into .grad (which is the handed-over tensor) is still right: 0.5 + 0.5 ...
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    assert_close(hk.grad, h64.grad, torch.float32, "dhidden accumulated")
+    # ... but now the handed-over tensors were modified in place: a further backward is refused.
+    with pytest.raises(RuntimeError, match="modified after the first backward"):
+        loss.backward(torch.tensor(0.5))
 
 
 def test_bad_input(device):

@@ -52,7 +52,7 @@ from onca.ops._validate import check_float, check_index, check_nonempty, check_s
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["cross_entropy", "CrossEntropyFunction", "REDUCTIONS", "plan", "cross_entropy_rows",
-           "validate_options", "count_targets"]
+           "validate_options", "count_targets", "ForwardGradients"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -319,9 +319,56 @@ def _bump_version(t: torch.Tensor) -> None:
         bump(t)
 
 
-def _is_one(grad_output: torch.Tensor) -> bool:
-    """Whether a scalar incoming gradient is exactly 1 (one host synchronisation)."""
-    return grad_output.numel() == 1 and float(grad_output) == 1.0
+class ForwardGradients:
+    """Gradients computed in the forward pass, handed to autograd by the backward pass.
+
+    Each backward scales them in place by the incoming gradient (nothing to do when it is 1). A
+    second backward through the same graph (``retain_graph=True``, or a benchmark timing backward)
+    gets them again, rescaled from the last incoming gradient to the new one, as long as nobody has
+    modified them since (autograd may have made them a leaf's ``.grad``; their version counters
+    tell); otherwise it is refused with an error rather than answered wrongly.
+    """
+
+    def __init__(self, tensors, per_row: bool = False):
+        self.tensors = tuple(tensors)
+        self.per_row = per_row
+        self.applied: torch.Tensor | None = None  # the incoming gradient now folded in; None: 1
+        self.versions: list | None = None
+
+    def take(self, grad_output: torch.Tensor) -> tuple:
+        g = grad_output.detach().to(torch.float32)
+        g = g.reshape(-1) if self.per_row else g.reshape(())
+        if self.versions is not None and any(
+            t is not None and t._version != v for t, v in zip(self.tensors, self.versions)
+        ):
+            raise RuntimeError(
+                "the gradients this op computed in the forward pass were modified after the first "
+                "backward (e.g. accumulated into a .grad); backward through the same graph again is "
+                "not supported"
+            )
+        prev = self.applied
+        if prev is None:
+            if self.per_row:
+                self._scale(g[:, None])
+            elif float(g) != 1.0:
+                self._scale(g)
+        elif torch.equal(prev, g):
+            pass
+        elif not self.per_row and float(prev) != 0.0:
+            self._scale(g / prev)
+        else:
+            raise RuntimeError(
+                "a second backward with a different per-token or zero incoming gradient cannot reuse "
+                "the gradients computed in the forward pass; recompute the loss instead"
+            )
+        self.applied = g.clone()
+        self.versions = [t._version if t is not None else None for t in self.tensors]
+        return self.tensors
+
+    def _scale(self, factor: torch.Tensor) -> None:
+        for t in self.tensors:
+            if t is not None:
+                t.mul_(factor)
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -354,7 +401,7 @@ class CrossEntropyFunction(torch.autograd.Function):
                            lse_square_scale=lse_square_scale, softcap=softcap)
         ctx.grad_scale = grad_scale
         if in_place:
-            ctx.grad = x2d
+            ctx.grad = ForwardGradients([x2d], per_row=reduction == "none")
         elif needs_grad:
             ctx.save_for_backward(x2d, target1d, lse)
         shape = logits.shape[:-1]
@@ -377,12 +424,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         per_row = ctx.reduction == "none"
         g = grad_loss.reshape(-1) if per_row else grad_loss.reshape(())
         if ctx.in_place:
-            grad = ctx.grad
-            del ctx.grad  # the buffer belongs to the graph only once
-            if per_row:
-                grad.mul_(g.to(torch.float32)[:, None])
-            elif not _is_one(g):
-                grad.mul_(g.to(torch.float32))
+            grad, = ctx.grad.take(g)
         else:
             x2d, target1d, lse = ctx.saved_tensors
             grad = torch.empty(x2d.shape, dtype=x2d.dtype, device=x2d.device)

@@ -49,6 +49,7 @@ from onca.device import DeviceProfile, accelerator, free_memory
 from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
 from onca.ops.cross_entropy import (
     TILES as CE_TILES,
+    ForwardGradients,
     check_target,
     count_targets,
     cross_entropy_rows,
@@ -242,12 +243,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             saved += [rows] if rows is not None else []
             ctx.save_for_backward(*saved)
         elif write_grad:
-            # Held as attributes, not saved tensors: backward scales them in place, once.
+            # Held as attributes, not saved tensors: backward scales them in place.
             if dw is not None and dw.dtype != weight.dtype:
                 dw = dw.to(weight.dtype)
             if db is not None:
                 db = db.to(bias.dtype)
-            ctx.grads = (dx, dw, db)
+            ctx.grads = ForwardGradients([dx, dw, db])
 
         shape = target.shape
         loss = _expand(loss_valid, reduction, n_valid, rows, tokens, shape)
@@ -264,20 +265,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.deferred:
             dx, dw, db = _deferred_backward(ctx, grad_loss)
         else:
-            if not hasattr(ctx, "grads"):
-                raise RuntimeError(
-                    "fused_linear_cross_entropy computes its gradients in the forward pass and hands "
-                    "them over in the first backward; a second backward through the same graph "
-                    "(retain_graph=True) is not supported"
-                )
-            dx, dw, db = ctx.grads
-            del ctx.grads
-            g = grad_loss.reshape(())
-            if not (g.numel() == 1 and float(g) == 1.0):
-                g = g.to(torch.float32)
-                for grad in (dx, dw, db):
-                    if grad is not None:
-                        grad.mul_(g)
+            dx, dw, db = ctx.grads.take(grad_loss)
         dx = dx.view(ctx.hidden_shape) if dx is not None else None
         return dx, dw, None, db, None, None, None, None, None, None, None, None
 
