@@ -68,31 +68,41 @@ TILES = dict(live_tiles=2, fp32_tiles=4)
 
 @triton.jit
 def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """``softcap * tanh(x / softcap)`` (Gemma 2's logit soft-capping), written with ``exp`` so that
-    every backend has it; ``exp(-2|u|)`` never overflows."""
+    """``softcap * tanh(x / softcap)`` (Gemma 2's logit soft-capping), written with ``exp`` and
+    ``rsqrt`` so that every backend has it and no per-element division is needed (``1 / (1 + a)``
+    as ``rsqrt(1 + a) ** 2``); ``exp(-2|u|)`` never overflows."""
     if HAS_SOFTCAP:
-        u = x / softcap
+        u = x * (1.0 / softcap)
         a = tl.exp(-2.0 * tl.abs(u))
-        t = (1.0 - a) / (1.0 + a)
+        r = tl.rsqrt(1.0 + a)
+        t = (1.0 - a) * (r * r)
         x = softcap * tl.where(u < 0, -t, t)
     return x
 
 
 @triton.jit
-def _gradient(p, x, cols, y, scale, z_factor, smooth_eps, target_weight, softcap, valid,
+def _load_logits(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+    """A tile of logits in fp32, soft-capped, ``-inf`` where masked (out of the row, ignored rows)."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
+
+
+@triton.jit
+def _gradient(p, x, cols, y, scale, z_factor, smooth_eps, target_weight, softcap,
               HAS_SOFTCAP: tl.constexpr):
     """dloss/dlogits of a tile (fp32) from its softmax ``p``, already multiplied by each row's
-    ``scale``; zero on rows that are not ``valid``. ``x`` holds the (soft-capped) logits, ``-inf``
-    where masked (only read for the soft cap's derivative)."""
+    ``scale``, which is 0 on ignored rows (their ``p`` is 0 too: the whole row comes out 0).
+    ``x`` holds the (soft-capped) logits, ``-inf`` where masked (read for the soft cap's
+    derivative only)."""
     # Row terms first, so that each element costs one fma and one select.
     pz = scale * z_factor
     off = scale * smooth_eps
     g = p * pz[:, None] - off[:, None]
     g = tl.where(cols[None, :] == y[:, None], g - (scale * target_weight)[:, None], g)
     if HAS_SOFTCAP:
-        t = tl.where(x == float("-inf"), 0.0, x) / softcap  # masked columns: keep 0 * inf out
+        t = tl.where(x == float("-inf"), 0.0, x) * (1.0 / softcap)  # masked columns: no 0 * inf
         g = g * (1.0 - t * t)
-    return tl.where(valid[:, None], g, 0.0)
+    return g
 
 
 @triton.jit
@@ -132,53 +142,24 @@ def _cross_entropy_kernel(
         row_mask = rows < n_rows
         y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
         valid = row_mask & (y != ignore_index)
-        y = tl.where(valid, y, 0).to(tl.int64)
+        # Class indices fit int32 (the vocabulary does): compared per element in 32 bits.
+        y = tl.where(valid, y, 0).to(tl.int32)
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
-        g_rows = grad_ptr + rows64[:, None] * grad_row_stride
 
+        # 1. The log-sum-exp (and the loss), or the saved log-sum-exp.
         if COMPUTE_LSE:
-            # The target's logit: one scalar load per row, before any gradient overwrites it.
-            x_y = tl.load(x_ptr + rows64 * x_row_stride + y, mask=valid, other=0.0).to(tl.float32)
-            x_y = _capped(x_y, softcap, HAS_SOFTCAP)
-            if WRITE_GRAD:
-                # The gradient may overwrite the logits: every thread's read of x_y comes first.
-                tl.debug_barrier()
-        if WRITE_GRAD:
-            scale = tl.zeros([BLOCK_ROWS], dtype=tl.float32) + grad_scale
-            if HAS_SCALE:
-                s = tl.load(scale_ptr + rows64 * scale_stride, mask=valid, other=0.0)
-                scale = scale * s.to(tl.float32)
-
-        if COL_TILES == 1:
-            # The whole row is one tile: a single load serves the loss and the gradient.
-            col_mask = col_offsets < n_cols
-            mask = valid[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + col_offsets[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = tl.where(mask, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
-            if COMPUTE_LSE:
+            if COL_TILES == 1:
+                # The whole row is one tile: this load also serves the gradient below.
+                col_mask = col_offsets < n_cols
+                mask = valid[:, None] & col_mask[None, :]
+                x = _load_logits(x_rows + col_offsets[None, :], mask, softcap, HAS_SOFTCAP)
                 m = tl.where(valid, tl.max(x, axis=1), 0.0)
                 e = tl.exp(x - m[:, None])
                 d = tl.where(valid, tl.sum(e, axis=1), 1.0)
-                lse = tl.where(valid, m + tl.log(d), 0.0)
                 if HAS_SMOOTHING:
                     x_sum = tl.sum(tl.where(mask, x, 0.0), axis=1)
             else:
-                lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-            if WRITE_GRAD:
-                z_factor = tl.zeros([BLOCK_ROWS], dtype=tl.float32) + 1.0
-                if HAS_Z:
-                    z_factor = 1.0 + 2.0 * lse_square_scale * lse
-                if COMPUTE_LSE:
-                    p = e * (1.0 / d)[:, None]  # the exponentials are still here: no second exp
-                else:
-                    p = tl.exp(x - lse[:, None])
-                g = _gradient(p, x, col_offsets, y, scale, z_factor, smooth_eps, target_weight,
-                              softcap, valid, HAS_SOFTCAP)
-                tl.store(g_rows + col_offsets[None, :], g.to(grad_ptr.dtype.element_ty),
-                         mask=row_mask[:, None] & col_mask[None, :])
-        else:
-            if COMPUTE_LSE:
                 # Online log-sum-exp over the row's column tiles: running max and sum of exp.
                 m = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
                 d = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -186,35 +167,20 @@ def _cross_entropy_kernel(
                 for tile in range(COL_TILES):
                     cols = tile * BLOCK_COLS + col_offsets
                     mask = valid[:, None] & (cols < n_cols)[None, :]
-                    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                    x = tl.where(mask, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
-                    m_new = tl.maximum(m, tl.max(x, axis=1))
+                    xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP)
+                    m_new = tl.maximum(m, tl.max(xt, axis=1))
                     # Rows with nothing loaded yet (ignored rows) keep m = -inf; shift them by 0.
                     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+                    d = d * tl.exp(m - shift) + tl.sum(tl.exp(xt - shift[:, None]), axis=1)
                     m = m_new
                     if HAS_SMOOTHING:
-                        x_sum += tl.sum(tl.where(mask, x, 0.0), axis=1)
+                        x_sum += tl.sum(tl.where(mask, xt, 0.0), axis=1)
                 m = tl.where(valid, m, 0.0)
-                lse = tl.where(valid, m + tl.log(tl.where(valid, d, 1.0)), 0.0)
-            else:
-                lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-            if WRITE_GRAD:
-                z_factor = tl.zeros([BLOCK_ROWS], dtype=tl.float32) + 1.0
-                if HAS_Z:
-                    z_factor = 1.0 + 2.0 * lse_square_scale * lse
-                for tile in range(COL_TILES):
-                    cols = tile * BLOCK_COLS + col_offsets
-                    col_mask = cols < n_cols
-                    mask = valid[:, None] & col_mask[None, :]
-                    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                    x = tl.where(mask, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
-                    g = _gradient(tl.exp(x - lse[:, None]), x, cols, y, scale, z_factor, smooth_eps,
-                                  target_weight, softcap, valid, HAS_SOFTCAP)
-                    tl.store(g_rows + cols[None, :], g.to(grad_ptr.dtype.element_ty),
-                             mask=row_mask[:, None] & col_mask[None, :])
-
-        if COMPUTE_LSE:
+                d = tl.where(valid, d, 1.0)
+            lse = tl.where(valid, m + tl.log(d), 0.0)
+            # The target's logit: one scalar load per row, before any gradient overwrites it.
+            x_y = tl.load(x_ptr + rows64 * x_row_stride + y.to(tl.int64), mask=valid, other=0.0).to(tl.float32)
+            x_y = _capped(x_y, softcap, HAS_SOFTCAP)
             if HAS_SMOOTHING:
                 loss = lse - target_weight * x_y - smooth_eps * x_sum
             else:
@@ -223,6 +189,44 @@ def _cross_entropy_kernel(
                 loss += lse_square_scale * lse * lse
             tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
             tl.store(lse_ptr + rows, lse, mask=row_mask)
+        else:
+            lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+
+        # 2. The gradient, scaled, written over the logits or into its own buffer.
+        if WRITE_GRAD:
+            if COMPUTE_LSE:
+                # The gradient may overwrite the logits: every thread's read of x_y comes first.
+                tl.debug_barrier()
+            scale = tl.where(valid, grad_scale, 0.0)
+            if HAS_SCALE:
+                s = tl.load(scale_ptr + rows * scale_stride, mask=valid, other=0.0)
+                scale = scale * s.to(tl.float32)
+            z_factor = tl.zeros([BLOCK_ROWS], dtype=tl.float32) + 1.0
+            if HAS_Z:
+                z_factor = 1.0 + 2.0 * lse_square_scale * lse
+            g_rows = grad_ptr + rows64[:, None] * grad_row_stride
+            if COL_TILES == 1:
+                if COMPUTE_LSE:
+                    p = e * (1.0 / d)[:, None]  # the exponentials are still here: no second exp
+                else:
+                    col_mask = col_offsets < n_cols
+                    mask = valid[:, None] & col_mask[None, :]
+                    x = _load_logits(x_rows + col_offsets[None, :], mask, softcap, HAS_SOFTCAP)
+                    p = tl.exp(x - lse[:, None])
+                g = _gradient(p, x, col_offsets, y, scale, z_factor, smooth_eps, target_weight,
+                              softcap, HAS_SOFTCAP)
+                tl.store(g_rows + col_offsets[None, :], g.to(grad_ptr.dtype.element_ty),
+                         mask=row_mask[:, None] & col_mask[None, :])
+            else:
+                for tile in range(COL_TILES):
+                    cols = tile * BLOCK_COLS + col_offsets
+                    col_mask = cols < n_cols
+                    mask = valid[:, None] & col_mask[None, :]
+                    xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP)
+                    g = _gradient(tl.exp(xt - lse[:, None]), xt, cols, y, scale, z_factor, smooth_eps,
+                                  target_weight, softcap, HAS_SOFTCAP)
+                    tl.store(g_rows + cols[None, :], g.to(grad_ptr.dtype.element_ty),
+                             mask=row_mask[:, None] & col_mask[None, :])
 
 
 # --------------------------------------------------------------------------------------- launchers
