@@ -367,7 +367,9 @@ class ForwardGradients:
             )
         self.applied = g.clone()
         self.versions = [t._version if t is not None else None for t in self.tensors]
-        return self.tensors
+        # Fresh views: autograd can make them a leaf's .grad without a copy (it copies a tensor
+        # that something else still references), and they share the version counters checked above.
+        return tuple(t.view(t.shape) if t is not None else None for t in self.tensors)
 
     def _scale(self, factor: torch.Tensor) -> None:
         for t in self.tensors:
