@@ -387,11 +387,12 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, lse_square_scale,
-                softcap, return_z_loss, in_place_backward):
+                softcap, return_z_loss, in_place_backward, grad_enabled=True):
         validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
         x2d, target1d = _validate_inputs(logits, target)
         n_valid = count_targets(target1d, x2d.shape[1], ignore_index)
-        needs_grad = ctx.needs_input_grad[0]
+        # needs_input_grad does not see torch.no_grad(): the caller tells whether grad mode was on.
+        needs_grad = ctx.needs_input_grad[0] and grad_enabled
         in_place = bool(in_place_backward) and needs_grad
         if in_place and x2d.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
             _bump_version(logits)  # the caller's storage is about to hold the gradient
@@ -426,7 +427,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         if grad_loss is None:
-            return (None,) * 9
+            return (None,) * 10
         per_row = ctx.reduction == "none"
         g = grad_loss.reshape(-1) if per_row else grad_loss.reshape(())
         if ctx.in_place:
@@ -438,7 +439,7 @@ class CrossEntropyFunction(torch.autograd.Function):
                 x2d, target1d, **ctx.options, compute_lse=False, lse=lse, grad=grad,
                 grad_scale=ctx.grad_scale, scale=g if per_row else g.reshape(()),
             )
-        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None, None
 
 
 def validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap) -> None:
@@ -490,4 +491,5 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     """Cross entropy of ``logits`` (``(..., vocab)``) against integer ``target`` (``(...)``).
     See the module docstring. Returns the loss, or ``(loss, z_loss)`` with ``return_z_loss``."""
     return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction,
-                                      lse_square_scale, softcap, return_z_loss, in_place_backward)
+                                      lse_square_scale, softcap, return_z_loss, in_place_backward,
+                                      torch.is_grad_enabled())

@@ -210,14 +210,16 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction,
-                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens):
+                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens, grad_enabled=True):
         validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
         h2d, target1d = _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens)
         tokens = h2d.shape[0]
         vocab = weight.shape[0]
         n_valid = count_targets(target1d, vocab, ignore_index)
         rows = None if n_valid == tokens else (target1d != ignore_index).nonzero().squeeze(1)
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        # needs_input_grad does not see torch.no_grad(): the caller tells whether grad mode was on.
+        needs = tuple(bool(grad_enabled and n) for n in (
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]))
         deferred = reduction == "none" and any(needs)
         write_grad = any(needs) and not deferred
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -261,13 +263,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         if grad_loss is None or not any(ctx.needs):
-            return (None,) * 12
+            return (None,) * 13
         if ctx.deferred:
             dx, dw, db = _deferred_backward(ctx, grad_loss)
         else:
             dx, dw, db = ctx.grads.take(grad_loss)
         dx = dx.view(ctx.hidden_shape) if dx is not None else None
-        return dx, dw, None, db, None, None, None, None, None, None, None, None
+        return dx, dw, None, db, None, None, None, None, None, None, None, None, None
 
 
 def _deferred_backward(ctx, grad_loss):
@@ -357,7 +359,7 @@ def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-
         with torch.autocast(device_type, enabled=False):
             return FusedLinearCrossEntropyFunction.apply(
                 cast(hidden), cast(weight), target, cast(bias), ignore_index, label_smoothing, reduction,
-                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens)
+                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens, torch.is_grad_enabled())
     return FusedLinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, ignore_index, label_smoothing, reduction, lse_square_scale,
-        softcap, return_z_loss, accum_dtype, chunk_tokens)
+        softcap, return_z_loss, accum_dtype, chunk_tokens, torch.is_grad_enabled())
