@@ -29,7 +29,10 @@ per chunk it is bound by memory, not by the matmul), smaller ones use less memor
 aims at ``CHUNK_TOKENS`` tokens per chunk (twice that when ``dW`` accumulates in fp32) and never
 takes more than ``FREE_FRACTION`` of the device's free memory, nor more tokens than there are;
 ``chunk_tokens=`` overrides it. For a Llama-3 head (vocab 128256) in bf16 the default scratch is
-131 MB, next to the 1.05 GB of ``dW`` itself.
+131 MB, next to the 1.05 GB of ``dW`` itself. liger-kernel 0.8.5 sizes its chunk from the token
+count instead (about ``tokens * hidden`` scratch elements: 256 tokens of 8192 at hidden 4096), so
+its scratch is half of ours at 8192 tokens (63 MiB less peak), equal at 16384 and larger beyond;
+the benchmark's ``chunk_tokens`` sweep shows what the chunk size costs in time and memory.
 
 ``dW`` accumulates in the weight's dtype (one rounding per chunk, as liger-kernel) unless
 ``accum_dtype=torch.float32`` (then in an fp32 buffer, cast once at the end). The loss is fp32,
