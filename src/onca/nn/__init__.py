@@ -11,3 +11,7 @@ from onca.nn.jsd import JSD  # noqa: E402
 from onca.nn.fused_linear_jsd import FusedLinearJSD  # noqa: E402
 
 __all__ += ["KLDivLoss", "JSD", "FusedLinearJSD"]
+from onca.nn.cross_entropy import CrossEntropyLoss  # noqa: E402
+from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss  # noqa: E402
+
+__all__ += ["CrossEntropyLoss", "FusedLinearCrossEntropyLoss"]
