@@ -25,6 +25,9 @@ class Family:
     # The config attribute holding Gemma-2/3's final logit soft-cap, and Granite's logit divisor.
     softcap_attr: str | None = None
     logits_scaling_attr: str | None = None
+    # OLMo-2's RoPE computes in cos/sin's fp32 and casts back to q/k's dtype; the others return the
+    # promoted dtype (their cos/sin already have the activations' dtype).
+    rope_casts_back: bool = False
 
     def modeling(self):
         return importlib.import_module(f"transformers.models.{self.module}")
@@ -61,7 +64,7 @@ FAMILIES: dict[str, Family] = {
         Family("gemma3_text", "gemma3.modeling_gemma3", "Gemma3", norm="gemma", mlp="geglu",
                softcap_attr="final_logit_softcapping"),
         Family("phi3", "phi3.modeling_phi3", "Phi3", mlp="phi3"),
-        Family("olmo2", "olmo2.modeling_olmo2", "Olmo2", norm="olmo2"),
+        Family("olmo2", "olmo2.modeling_olmo2", "Olmo2", norm="olmo2", rope_casts_back=True),
         Family("granite", "granite.modeling_granite", "Granite", logits_scaling_attr="logits_scaling"),
     )
 }

@@ -95,7 +95,16 @@ def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return OF.rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
-rotary_pos_emb.__onca__ = "rope"
+def rotary_pos_emb_cast_back(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    q_embed, k_embed = OF.rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
+
+
+rotary_pos_emb.__onca__ = rotary_pos_emb_cast_back.__onca__ = "rope"
+
+
+def rope_for(family: Family):
+    return rotary_pos_emb_cast_back if family.rope_casts_back else rotary_pos_emb
 
 
 # ------------------------------------------------------------------------------ causal-LM loss

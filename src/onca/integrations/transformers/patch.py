@@ -86,7 +86,7 @@ def apply(model, **kernels) -> torch.nn.Module:
         _patch_instance(model, forwards.make_causal_lm_forward(family, _forward_of(model)))
         counts["fused_linear_cross_entropy"] = 1
     if use["rope"]:
-        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rotary_pos_emb)
+        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rope_for(family))
         if not getattr(model, "_onca_rope", False):
             _ROPE_USERS[family.model_type] = _ROPE_USERS.get(family.model_type, 0) + 1
             model._onca_rope = True
@@ -141,7 +141,7 @@ def apply_to(model_type: str, **kernels) -> Family:
         original = _ORIGINALS.get((cls, "forward"), cls.forward)
         _patch_global(cls, "forward", forwards.make_causal_lm_forward(family, original))
     if use["rope"]:
-        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rotary_pos_emb)
+        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rope_for(family))
     return family
 
 
