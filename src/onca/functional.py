@@ -25,3 +25,29 @@ def rms_norm(
     ``in_place=True`` lets the backward pass write ``dx`` into the incoming gradient's storage.
     """
     return _rms_norm(x, weight, eps, offset, casting_mode, in_place)
+
+
+from onca.ops.embedding import embedding as _embedding  # noqa: E402
+
+__all__ += ["embedding"]
+
+
+def embedding(
+    indices: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None = None,
+    deterministic: bool = False,
+    *,
+    scale_grad_by_freq: bool = False,
+    check_bounds: bool = True,
+) -> torch.Tensor:
+    """Embedding lookup ``weight[indices]``: ``(*indices.shape, embedding_dim)`` in the weight's dtype.
+
+    ``indices``: int32 or int64, any shape. ``padding_idx``: that row gets no gradient (negative
+    values count from the end). The weight gradient accumulates in fp32; ``deterministic=True``
+    makes it bitwise reproducible (sorted segment reduction; bf16/fp16 weights always use it),
+    otherwise fp32 weights use atomic adds. ``check_bounds`` (default on) raises an
+    ``IndexError``/``ValueError`` for an index outside the table at the cost of one host-device
+    synchronisation; without it, out-of-range indices give zero rows and no gradient.
+    """
+    return _embedding(indices, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds)

@@ -3,3 +3,6 @@
 from onca.nn.rms_norm import RMSNorm
 
 __all__ = ["RMSNorm"]
+from onca.nn.embedding import Embedding  # noqa: E402
+
+__all__ += ["Embedding"]
