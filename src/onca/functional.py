@@ -51,3 +51,19 @@ def embedding(
     synchronisation; without it, out-of-range indices give zero rows and no gradient.
     """
     return _embedding(indices, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds)
+
+
+from onca.ops.attn_res import attn_res as _attn_res  # noqa: E402
+
+__all__ += ["attn_res"]
+
+
+def attn_res(V: torch.Tensor, w_query: torch.Tensor, w_norm: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Attention residuals: softmax attention over the first dimension of ``V`` (``(N, ..., D)``,
+    e.g. ``[N, B, T, D]``, the outputs of N earlier layers).
+
+    ``K = rms_norm(V) * w_norm`` over D, ``score = <w_query, K>``, ``alpha = softmax(score)`` over N,
+    and the result ``sum_n alpha[n] * V[n]`` has shape ``(..., D)`` and ``V``'s dtype. ``w_query``
+    and ``w_norm`` have shape ``(D,)``; all arithmetic is in fp32. Differentiable in all three.
+    """
+    return _attn_res(V, w_query, w_norm, eps)

@@ -168,6 +168,19 @@ def test_empty_indices(device):
     assert torch.equal(weight.grad, torch.zeros_like(weight))
 
 
+def test_output_may_be_modified_in_place(device):
+    """As torch's, the output is a fresh tensor, not a view: in-place edits (multimodal models write
+    image features into the embeddings) work, and the gradient flows through them."""
+    weight = randn(10, 8, device=device, requires_grad=True)
+    idx = torch.tensor([[1, 2, 2]], device=device)
+    y = embedding(idx, weight)
+    y[0, 0] = 0.0
+    y.sum().backward()
+    expected = torch.zeros(10, 8, device=device)
+    expected[2] = 2.0
+    assert torch.equal(weight.grad, expected)
+
+
 def test_does_not_modify_caller_tensors(device):
     shape, n, dim = BASE
     idx = _indices(shape, n, device)

@@ -6,3 +6,6 @@ __all__ = ["RMSNorm"]
 from onca.nn.embedding import Embedding  # noqa: E402
 
 __all__ += ["Embedding"]
+from onca.nn.attn_res import AttnRes  # noqa: E402
+
+__all__ += ["AttnRes"]

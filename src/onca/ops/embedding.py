@@ -179,14 +179,16 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     }
 
 
-def embedding_forward(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def embedding_forward(idx: torch.Tensor, weight: torch.Tensor, out_shape) -> torch.Tensor:
+    """The gathered rows, allocated in ``out_shape`` (not a view: callers may modify it in place)."""
     n_tokens = idx.numel()
     n_embeddings, dim = weight.shape
     p = _tile_plan(n_tokens, dim, weight.dtype, FORWARD_TILES, None)
-    y = torch.empty((n_tokens, dim), dtype=weight.dtype, device=weight.device)
+    y = torch.empty(out_shape, dtype=weight.dtype, device=weight.device)
+    y2d = y.view(n_tokens, dim)
     _embedding_forward_kernel[(p.grid,)](
-        idx, weight, y,
-        n_tokens, dim, n_embeddings, weight.stride(0), y.stride(0),
+        idx, weight, y2d,
+        n_tokens, dim, n_embeddings, weight.stride(0), y2d.stride(0),
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
     return y
@@ -263,16 +265,17 @@ class EmbeddingFunction(torch.autograd.Function):
             idx = idx.contiguous()
         if weight.stride(1) != 1:
             weight = weight.contiguous()
+        out_shape = (*indices.shape, dim)
         if idx.numel() == 0:
-            y = torch.empty((0, dim), dtype=weight.dtype, device=weight.device)
+            y = torch.empty(out_shape, dtype=weight.dtype, device=weight.device)
         else:
             if check and not _capturing(idx):
                 check_bounds(idx, n_embeddings)
-            y = embedding_forward(idx, weight)
+            y = embedding_forward(idx, weight, out_shape)
         ctx.save_for_backward(idx)
         ctx.n_embeddings, ctx.w_dtype = n_embeddings, weight.dtype
         ctx.padding_idx, ctx.deterministic, ctx.scale = padding_idx, deterministic, scale_grad_by_freq
-        return y.view(*indices.shape, dim)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
