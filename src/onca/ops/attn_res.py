@@ -52,15 +52,29 @@ from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
 __all__ = ["attn_res", "AttnResFunction", "plan"]
 
-# Live tiles of each kernel (tiles in V's dtype, fp32 tiles), as the planner counts them. The
-# backward's per-row state (six [rows, N] fp32 vectors) counts as one fp32 tile, which holds it for
-# rows of at least 6 * N columns; the D-tiled forward's state sits in the half of the budget that
-# the planner keeps back for two-pass kernels.
+# Live tiles of each kernel (tiles in V's dtype, fp32 tiles), as the planner counts them, before
+# their address tiles: the element offsets of the slab loads (forward) and of the slab loads and dV
+# stores (backward) stay live across the loop over slabs, one fp32-sized tile each when they are
+# int32, two when int64 (see _row_index). The backward's per-row state (six [rows, N] fp32
+# vectors) counts as one fp32 tile, which holds it for rows of at least 6 * N columns; the D-tiled
+# forward's state sits in the half of the budget that the planner keeps back for two-pass kernels.
 FORWARD_TILES = dict(live_tiles=3, fp32_tiles=4)  # v, next v, h; v, acc, u, a product in fp32
 BACKWARD_TILES = dict(live_tiles=4, fp32_tiles=6)  # v, next v, dh, dv; v, dh, dv, u, G, state in fp32
+ADDRESS_TILES = {"forward": 1, "backward": 2}
 
 
 # ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _row_index(rows, OFFSETS_64: tl.constexpr):
+    """Row numbers as a column for address arithmetic: int32 where every offset inside one slab
+    fits (its addresses then take half the registers), int64 where it may not. Slabs are reached
+    by advancing a 64-bit pointer, so only the offset inside a slab matters."""
+    if OFFSETS_64:
+        return rows.to(tl.int64)[:, None]
+    else:
+        return rows[:, None]
 
 
 @triton.jit
@@ -79,6 +93,7 @@ def _attn_res_forward_kernel(
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
     N_PAD: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -91,9 +106,9 @@ def _attn_res_forward_kernel(
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)[:, None]
+            row_idx = _row_index(rows, OFFSETS_64)
             mask = row_mask[:, None] & col_mask[None, :]
-            v_offs = rows64 * v_row_stride + col_offsets[None, :]
+            v_offs = row_idx * v_row_stride + col_offsets[None, :]
             # Online softmax over the slabs: running max m, running sum l, running weighted sum acc.
             m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
             l = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -114,13 +129,13 @@ def _attn_res_forward_kernel(
                 acc = acc * rescale[:, None] + e[:, None] * v
                 m = m_new
             h = acc / l[:, None]
-            tl.store(h_ptr + rows64 * h_row_stride + col_offsets[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+            tl.store(h_ptr + row_idx * h_row_stride + col_offsets[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
     else:
         slab_ids = tl.arange(0, N_PAD)
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)[:, None]
+            row_idx = _row_index(rows, OFFSETS_64)
             sum_sq = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
             dot = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
             for tile in range(COL_TILES):
@@ -129,7 +144,7 @@ def _attn_res_forward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 u = (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                      * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
-                v_offs = rows64 * v_row_stride + cols[None, :]
+                v_offs = row_idx * v_row_stride + cols[None, :]
                 slab_ptr = v_ptr
                 for n in range(n_slabs):
                     v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
@@ -146,7 +161,7 @@ def _attn_res_forward_kernel(
             for tile in range(COL_TILES):
                 cols = tile * BLOCK_COLS + col_offsets
                 mask = row_mask[:, None] & (cols < n_cols)[None, :]
-                v_offs = rows64 * v_row_stride + cols[None, :]
+                v_offs = row_idx * v_row_stride + cols[None, :]
                 acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
                 slab_ptr = v_ptr
                 for n in range(n_slabs):
@@ -154,7 +169,7 @@ def _attn_res_forward_kernel(
                     slab_ptr += slab_stride
                     a = tl.sum(tl.where((slab_ids == n)[None, :], alpha, 0.0), axis=1)
                     acc += a[:, None] * v
-                tl.store(h_ptr + rows64 * h_row_stride + cols[None, :], acc.to(h_ptr.dtype.element_ty), mask=mask)
+                tl.store(h_ptr + row_idx * h_row_stride + cols[None, :], acc.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -188,6 +203,8 @@ def _attn_res_backward_kernel(
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
     N_PAD: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
+    SAME_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -204,12 +221,15 @@ def _attn_res_backward_kernel(
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)[:, None]
+            row_idx = _row_index(rows, OFFSETS_64)
             mask = row_mask[:, None] & col_mask[None, :]
-            dh = tl.load(dh_ptr + rows64 * dh_row_stride + col_offsets[None, :], mask=mask, other=0.0)
+            dh = tl.load(dh_ptr + row_idx * dh_row_stride + col_offsets[None, :], mask=mask, other=0.0)
             dh = dh.to(tl.float32)
-            v_offs = rows64 * v_row_stride + col_offsets[None, :]
-            dv_offs = rows64 * dv_row_stride + col_offsets[None, :]
+            v_offs = row_idx * v_row_stride + col_offsets[None, :]
+            if SAME_ROWS:  # dV's rows are laid out as V's: one offset tile serves both
+                dv_offs = v_offs
+            else:
+                dv_offs = row_idx * dv_row_stride + col_offsets[None, :]
             # Sweep 1: each slab's statistics (the next slab's load is issued before this one is used).
             sum_sq = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
             dot = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
@@ -229,14 +249,11 @@ def _attn_res_backward_kernel(
             alpha, dr_all, coef_all = _slab_softmax_grads(sum_sq, dot, d_alpha, row_mask, slab_ids, n_slabs,
                                                           n_cols, eps)
             # Sweep 2: dV. These slabs were read just now, so they come back from the L2 cache.
-            v_next = tl.load(v_ptr + v_offs, mask=mask, other=0.0)
-            next_ptr = v_ptr + slab_stride
+            slab_ptr = v_ptr
             dv_slab = dv_ptr
             for n in range(n_slabs):
-                v = v_next.to(tl.float32)
-                more = (tl.zeros([BLOCK_ROWS], dtype=tl.int32) + n + 1) < n_slabs
-                v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
-                next_ptr += slab_stride
+                v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
+                slab_ptr += slab_stride
                 sel = (slab_ids == n)[None, :]
                 dr = _pick(dr_all, sel)
                 dv = (_pick(alpha, sel)[:, None] * dh + dr[:, None] * u[None, :]
@@ -249,7 +266,7 @@ def _attn_res_backward_kernel(
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)[:, None]
+            row_idx = _row_index(rows, OFFSETS_64)
             sum_sq = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
             dot = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
             d_alpha = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
@@ -259,9 +276,9 @@ def _attn_res_backward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 u = (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                      * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
-                dh = tl.load(dh_ptr + rows64 * dh_row_stride + cols[None, :], mask=mask, other=0.0)
+                dh = tl.load(dh_ptr + row_idx * dh_row_stride + cols[None, :], mask=mask, other=0.0)
                 dh = dh.to(tl.float32)
-                v_offs = rows64 * v_row_stride + cols[None, :]
+                v_offs = row_idx * v_row_stride + cols[None, :]
                 slab_ptr = v_ptr
                 for n in range(n_slabs):
                     v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
@@ -278,10 +295,13 @@ def _attn_res_backward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 u = (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                      * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
-                dh = tl.load(dh_ptr + rows64 * dh_row_stride + cols[None, :], mask=mask, other=0.0)
+                dh = tl.load(dh_ptr + row_idx * dh_row_stride + cols[None, :], mask=mask, other=0.0)
                 dh = dh.to(tl.float32)
-                v_offs = rows64 * v_row_stride + cols[None, :]
-                dv_offs = rows64 * dv_row_stride + cols[None, :]
+                v_offs = row_idx * v_row_stride + cols[None, :]
+                if SAME_ROWS:
+                    dv_offs = v_offs
+                else:
+                    dv_offs = row_idx * dv_row_stride + cols[None, :]
                 g_tile = tl.zeros([BLOCK_COLS], dtype=tl.float32)
                 slab_ptr = v_ptr
                 dv_slab = dv_ptr
@@ -312,13 +332,26 @@ def _rows_cols(shape) -> tuple[int, int, int]:
     return shape[0], rows, shape[-1]
 
 
+def _plans(rows: int, cols: int, dtype: torch.dtype, offsets_64: bool, profile=None) -> dict[str, RowPlan]:
+    per_address = 2 if offsets_64 else 1
+    plans = {}
+    for kind, tiles in (("forward", FORWARD_TILES), ("backward", BACKWARD_TILES)):
+        fp32_tiles = tiles["fp32_tiles"] + ADDRESS_TILES[kind] * per_address
+        # The backward reduces G across rows into one partial row per program: a persistent grid.
+        plans[kind] = plan_rows(rows, cols, dtype, tiles["live_tiles"], profile, fp32_tiles=fp32_tiles,
+                                persistent=True if kind == "backward" else None)
+    return plans
+
+
+def _needs_offsets_64(rows: int, cols: int, *row_strides: int) -> bool:
+    """Whether an element offset inside one slab (row * stride + column) can pass int32."""
+    return any((rows - 1) * stride + cols > 2**31 - 1 for stride in row_strides)
+
+
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
-    """The forward and backward plans for ``V`` of ``shape`` (``(N, ..., D)``)."""
+    """The forward and backward plans for a contiguous ``V`` of ``shape`` (``(N, ..., D)``)."""
     _, rows, cols = _rows_cols(shape)
-    return {
-        "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
-        "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
-    }
+    return _plans(rows, cols, dtype, _needs_offsets_64(rows, cols, cols), profile)
 
 
 def _n_pad(n_slabs: int, p: RowPlan, backward: bool) -> int:
@@ -329,21 +362,23 @@ def _n_pad(n_slabs: int, p: RowPlan, backward: bool) -> int:
 def attn_res_forward(v3: torch.Tensor, w_query: torch.Tensor, w_norm: torch.Tensor, eps: float, out_shape):
     """``h`` allocated in ``out_shape`` (not a view: callers may modify it in place)."""
     n_slabs, rows, cols = v3.shape
-    p = plan_rows(rows, cols, v3.dtype, **FORWARD_TILES)
+    offsets_64 = _needs_offsets_64(rows, cols, v3.stride(1), cols)
+    p = _plans(rows, cols, v3.dtype, offsets_64)["forward"]
     h = torch.empty(out_shape, dtype=v3.dtype, device=v3.device)
     h2d = h.view(rows, cols)
     _attn_res_forward_kernel[(p.grid,)](
         v3, w_query, w_norm, h2d,
         n_slabs, rows, cols, v3.stride(0), v3.stride(1), h2d.stride(0), eps,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, N_PAD=_n_pad(n_slabs, p, False),
-        num_warps=p.num_warps,
+        OFFSETS_64=offsets_64, num_warps=p.num_warps,
     )
     return h
 
 
 def attn_res_backward(dh2d, v3, w_query, w_norm, eps: float):
     n_slabs, rows, cols = v3.shape
-    p = plan_rows(rows, cols, v3.dtype, persistent=True, **BACKWARD_TILES)
+    offsets_64 = _needs_offsets_64(rows, cols, v3.stride(1), dh2d.stride(0), cols)
+    p = _plans(rows, cols, v3.dtype, offsets_64)["backward"]
     dv = torch.empty((n_slabs, rows, cols), dtype=v3.dtype, device=v3.device)
     # Zeroed because the D-tiled path accumulates into it; the single-pass path overwrites it.
     g_partial = torch.zeros((p.grid, cols), dtype=torch.float32, device=v3.device)
@@ -351,7 +386,7 @@ def attn_res_backward(dh2d, v3, w_query, w_norm, eps: float):
         v3, w_query, w_norm, dh2d, dv, g_partial,
         n_slabs, rows, cols, v3.stride(0), v3.stride(1), dh2d.stride(0), dv.stride(0), dv.stride(1), eps,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, N_PAD=_n_pad(n_slabs, p, True),
-        num_warps=p.num_warps,
+        OFFSETS_64=offsets_64, SAME_ROWS=v3.stride(1) == dv.stride(1), num_warps=p.num_warps,
     )
     g = g_partial.sum(dim=0)
     dw_query = (w_norm.to(torch.float32) * g).to(w_query.dtype)
