@@ -20,8 +20,8 @@ Backward, with ``g = dL/dh``, ``p_n = <u, V[n]>`` and ``c = sum_n alpha_n <g, V[
 
 Kernels. Rows are the ``R = prod(...)`` positions, columns the hidden size ``D``; the plans come from
 ``plan_rows(R, D)``, with the live tiles below. Each program streams the ``N`` layer slabs of its
-row block one at a time (in the single-pass kernels the next slab's load is issued before the
-current one is used), so only one slab is on chip and any ``N`` works.
+row block one at a time, so only one slab (and the next one's load, issued before the current one
+is used, in every sweep that reads ``V`` from memory) is on chip, and any ``N`` works.
 
 - Forward, single pass (a whole row fits): an online softmax over the slabs (running max, running
   sum, running weighted sum), so ``V`` is read exactly once.
@@ -75,6 +75,13 @@ def _row_index(rows, OFFSETS_64: tl.constexpr):
         return rows.to(tl.int64)[:, None]
     else:
         return rows[:, None]
+
+
+@triton.jit
+def _weights(wq_ptr, wn_ptr, cols, col_mask):
+    """``u = w_query * w_norm`` over ``cols``, in fp32."""
+    return (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -145,10 +152,13 @@ def _attn_res_forward_kernel(
                 u = (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                      * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
                 v_offs = row_idx * v_row_stride + cols[None, :]
-                slab_ptr = v_ptr
+                v_next = tl.load(v_ptr + v_offs, mask=mask, other=0.0)
+                next_ptr = v_ptr + slab_stride
                 for n in range(n_slabs):
-                    v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
-                    slab_ptr += slab_stride
+                    v = v_next.to(tl.float32)
+                    more = (tl.zeros([BLOCK_ROWS], dtype=tl.int32) + n + 1) < n_slabs
+                    v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
+                    next_ptr += slab_stride
                     sel = (slab_ids == n)[None, :]
                     sum_sq = tl.where(sel, sum_sq + tl.sum(v * v, axis=1)[:, None], sum_sq)
                     dot = tl.where(sel, dot + tl.sum(v * u[None, :], axis=1)[:, None], dot)
@@ -215,8 +225,6 @@ def _attn_res_backward_kernel(
     g_row = g_partial_ptr + pid.to(tl.int64) * n_cols
     if COL_TILES == 1:
         col_mask = col_offsets < n_cols
-        u = (tl.load(wq_ptr + col_offsets, mask=col_mask, other=0.0).to(tl.float32)
-             * tl.load(wn_ptr + col_offsets, mask=col_mask, other=0.0).to(tl.float32))
         g_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -243,6 +251,7 @@ def _attn_res_backward_kernel(
                 v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
                 next_ptr += slab_stride
                 sel = (slab_ids == n)[None, :]
+                u = _weights(wq_ptr, wn_ptr, col_offsets, col_mask)
                 sum_sq = tl.where(sel, tl.sum(v * v, axis=1)[:, None], sum_sq)
                 dot = tl.where(sel, tl.sum(v * u[None, :], axis=1)[:, None], dot)
                 d_alpha = tl.where(sel, tl.sum(dh * v, axis=1)[:, None], d_alpha)
@@ -256,6 +265,7 @@ def _attn_res_backward_kernel(
                 slab_ptr += slab_stride
                 sel = (slab_ids == n)[None, :]
                 dr = _pick(dr_all, sel)
+                u = _weights(wq_ptr, wn_ptr, col_offsets, col_mask)
                 dv = (_pick(alpha, sel)[:, None] * dh + dr[:, None] * u[None, :]
                       - _pick(coef_all, sel)[:, None] * v)
                 tl.store(dv_slab + dv_offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
@@ -279,10 +289,13 @@ def _attn_res_backward_kernel(
                 dh = tl.load(dh_ptr + row_idx * dh_row_stride + cols[None, :], mask=mask, other=0.0)
                 dh = dh.to(tl.float32)
                 v_offs = row_idx * v_row_stride + cols[None, :]
-                slab_ptr = v_ptr
+                v_next = tl.load(v_ptr + v_offs, mask=mask, other=0.0)
+                next_ptr = v_ptr + slab_stride
                 for n in range(n_slabs):
-                    v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
-                    slab_ptr += slab_stride
+                    v = v_next.to(tl.float32)
+                    more = (tl.zeros([BLOCK_ROWS], dtype=tl.int32) + n + 1) < n_slabs
+                    v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
+                    next_ptr += slab_stride
                     sel = (slab_ids == n)[None, :]
                     sum_sq = tl.where(sel, sum_sq + tl.sum(v * v, axis=1)[:, None], sum_sq)
                     dot = tl.where(sel, dot + tl.sum(v * u[None, :], axis=1)[:, None], dot)
