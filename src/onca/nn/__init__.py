@@ -15,3 +15,9 @@ from onca.nn.cross_entropy import CrossEntropyLoss  # noqa: E402
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss  # noqa: E402
 
 __all__ += ["CrossEntropyLoss", "FusedLinearCrossEntropyLoss"]
+from onca.nn.embedding import Embedding  # noqa: E402
+
+__all__ += ["Embedding"]
+from onca.nn.attn_res import AttnRes  # noqa: E402
+
+__all__ += ["AttnRes"]
