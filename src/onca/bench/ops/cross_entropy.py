@@ -79,8 +79,8 @@ BENCHMARK = OpBenchmark(
     reference=reference,
     liger=liger,
     sweeps=(
-        d1("tokens", [1024, 2048, 4096, 8192, 16384, 32768], {"vocab": VOCAB}, "tokens (vocab 128256)"),
-        d1("vocab", [32000, 65536, 128256, 151936, 202048, 262144], {"tokens": TOKENS},
+        d1("tokens", [2048, 8192, 16384, 32768], {"vocab": VOCAB}, "tokens (vocab 128256)"),
+        d1("vocab", [32000, 128256, 151936, 262144], {"tokens": TOKENS},
            "vocabulary (8192 tokens)"),
         d2(lambda m: {"tokens": TOKENS, "vocab": m.vocab_size}),
     ),

@@ -68,9 +68,9 @@ BENCHMARK = OpBenchmark(
     reference=reference,
     liger=liger,
     sweeps=(
-        d1("tokens", [1024, 2048, 4096, 8192, 16384, 32768, 65536], {"vocab": VOCAB, "hidden": HIDDEN},
+        d1("tokens", [1024, 4096, 16384, 65536], {"vocab": VOCAB, "hidden": HIDDEN},
            f"tokens (vocab {VOCAB}, hidden {HIDDEN})"),
-        d1("vocab", [32000, 65536, 128256, 151936, 262144], {"tokens": TOKENS, "hidden": HIDDEN},
+        d1("vocab", [32000, 128256, 151936, 262144], {"tokens": TOKENS, "hidden": HIDDEN},
            f"vocabulary ({TOKENS} tokens, hidden {HIDDEN})"),
         d2(lambda m: {"tokens": TOKENS, "vocab": m.vocab_size, "hidden": m.hidden_size}),
     ),

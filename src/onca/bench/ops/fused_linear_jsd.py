@@ -94,9 +94,9 @@ BENCHMARK = OpBenchmark(
     reference=reference,
     liger=liger,
     sweeps=(
-        d1("tokens", [1024, 2048, 4096, 8192, 16384], {"hidden": HIDDEN, "vocab": VOCAB},
+        d1("tokens", [1024, 4096, 8192, 16384], {"hidden": HIDDEN, "vocab": VOCAB},
            f"tokens (hidden {HIDDEN}, vocab {VOCAB})"),
-        d1("vocab", [32000, 65536, 128256, 151936, 262144], {"tokens": TOKENS, "hidden": HIDDEN},
+        d1("vocab", [32000, 128256, 151936, 262144], {"tokens": TOKENS, "hidden": HIDDEN},
            f"vocabulary ({TOKENS} tokens, hidden {HIDDEN})"),
         d2(lambda m: {"tokens": TOKENS, "hidden": m.hidden_size, "vocab": m.vocab_size}),
     ),

@@ -69,8 +69,8 @@ BENCHMARK = OpBenchmark(
     reference=reference,
     liger=liger,
     sweeps=(
-        d1("tokens", [1024, 2048, 4096, 8192, 16384], {"vocab": VOCAB}, f"tokens (vocab {VOCAB})"),
-        d1("vocab", [32000, 65536, 128256, 151936, 262144], {"tokens": TOKENS},
+        d1("tokens", [1024, 4096, 8192, 16384], {"vocab": VOCAB}, f"tokens (vocab {VOCAB})"),
+        d1("vocab", [32000, 128256, 151936, 262144], {"tokens": TOKENS},
            f"vocabulary ({TOKENS} tokens)"),
         d2(lambda m: {"tokens": TOKENS, "vocab": m.vocab_size}),
     ),

@@ -103,8 +103,8 @@ BENCHMARK = OpBenchmark(
     reference=reference,
     liger=liger,
     sweeps=(
-        d1("seq", [1024, 2048, 4096, 8192, 16384], FIXED, "sequence length (batch 4, 32 q / 8 kv heads, head dim 128)"),
-        d1("head_dim", [64, 96, 128, 192, 256], FIXED, "head dim (batch 4, seq 2048, 32 q / 8 kv heads)"),
+        d1("seq", [1024, 2048, 8192, 16384], FIXED, "sequence length (batch 4, 32 q / 8 kv heads, head dim 128)"),
+        d1("head_dim", [64, 96, 128, 256], FIXED, "head dim (batch 4, seq 2048, 32 q / 8 kv heads)"),
         d2(lambda m: {"batch": BATCH, "seq": SEQ, "q_heads": m.num_heads, "kv_heads": m.num_kv_heads,
                       "head_dim": m.head_dim, "rotary_dim": m.rotary_dim}),
     ),
