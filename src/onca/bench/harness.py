@@ -273,8 +273,15 @@ class Harness:
                 torch.autograd.backward(outs, grads)
         else:
             raise ValueError(f"unknown mode {mode!r}")
-        fn()  # warm-up outside the timed region: compilation, autotuning, allocator growth
-        return self._time(fn, leaves)
+        def timed():
+            # Gradients never accumulate across calls (do_bench clears them only in its timed loop,
+            # not while it warms up): as zero_grad(set_to_none=True) does between training steps.
+            for t in leaves:
+                t.grad = None
+            return fn()
+
+        timed()  # warm-up outside the timed region: compilation, autotuning, allocator growth
+        return self._time(timed, leaves)
 
     def _time(self, fn, leaves):
         if self.settings.on_gpu:
