@@ -131,7 +131,7 @@ def cmd_bench(args) -> int:
 
     where = device.accelerator()
     settings = harness.Settings(device="cuda" if where == "cuda" else "cpu", dtype=args.dtype,
-                                providers=args.providers, modes=args.modes)
+                                providers=args.providers, modes=args.modes, max_points=args.max_points)
     if not settings.on_gpu:
         print("onca bench: no GPU here; running each sweep once at a tiny size on the CPU "
               "(a smoke test of the benchmark code, not a measurement)")
@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", action="store_true", help="draw PNG charts after the run")
     bench.add_argument("--plot-dir", default=os.path.join("benchmarks", "plots"))
     bench.add_argument("--include-cpu", action="store_true", help="also chart CPU smoke-test rows")
+    bench.add_argument("--max-points", type=int, help="at most this many points per sweep (evenly spaced)")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=cmd_bench)
 

@@ -178,3 +178,10 @@ def test_every_op_benchmark_declaration(op):
     new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
     statuses = {p.status for r in new if r.metric_name == "speed" for p in r.points}
     assert statuses == {"ok"}, [(r.kernel_provider, p.note) for r in new for p in r.points if p.status != "ok"]
+
+
+def test_subsample_keeps_the_ends_evenly():
+    pts = list(range(10))
+    assert harness.subsample(pts, None) == pts and harness.subsample(pts, 20) == pts
+    assert harness.subsample(pts, 3) == [0, 4, 9] or harness.subsample(pts, 3) == [0, 5, 9]
+    assert harness.subsample(pts, 2) == [0, 9] and harness.subsample(pts, 1) == [0]

@@ -62,6 +62,8 @@ class Settings:
     warmup_ms: int = 25
     rep_ms: int = 100
     cpu_reps: int = 2
+    # At most this many points per sweep (evenly spaced, the ends included); None: all of them.
+    max_points: int | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -117,7 +119,7 @@ class Harness:
 
     def points(self, bench: OpBenchmark, sweep: Sweep):
         if self.settings.on_gpu:
-            return list(sweep.points)
+            return subsample(list(sweep.points), self.settings.max_points)
         # CPU: one point at the op's probe size, through the very same code path.
         return [(bench.probe.get(sweep.x_name, "probe"), dict(bench.probe))]
 
@@ -359,6 +361,17 @@ class Harness:
                 _free()
             states[provider] = state
         return states
+
+
+def subsample(points: list, limit: int | None) -> list:
+    """``limit`` evenly spaced points, the first and the last included (all of them if ``limit`` is
+    None or not smaller)."""
+    if limit is None or limit >= len(points):
+        return points
+    if limit <= 1:
+        return points[:1]
+    step = (len(points) - 1) / (limit - 1)
+    return [points[round(i * step)] for i in range(limit)]
 
 
 def calibration(measured_bytes: float, estimated_bytes: float) -> float:
