@@ -41,7 +41,6 @@ def check(x, r, w, eps=1e-6, offset=0.0, casting="llama", in_place=False, use=("
     xk, rk, wk = leaf(x), leaf(r), leaf(w)
     y, h = fused_add_rms_norm(xk, rk, wk, eps, offset, casting, in_place)
     assert y.dtype == h.dtype == x.dtype and y.shape == h.shape == x.shape
-    check_residual_sum(h, x, r)
     ref, h64, w64 = rms_norm_reference(x + r, w, eps, offset, casting)
     assert_close(y, ref, x.dtype, "y")
 
@@ -61,9 +60,11 @@ def check(x, r, w, eps=1e-6, offset=0.0, casting="llama", in_place=False, use=("
         expected = expected + dh.to(torch.float64)
     assert_close(xk.grad, expected, x.dtype, "dx")
     assert_close(rk.grad, expected, x.dtype, "dresidual")
-    assert torch.equal(xk.grad, rk.grad)
     assert wk.grad.dtype == w.dtype
     assert_close(wk.grad, torch.zeros_like(w64) if w64.grad is None else w64.grad, x.dtype, "dw")
+    # Exact checks last (tools/sm90_compile.py runs the tests without computing anything).
+    assert torch.equal(xk.grad, rk.grad)
+    check_residual_sum(h, x, r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
