@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from onca import device as onca_device
-from onca.device import interpreter_active
+from onca.device import accelerator, interpreter_active
 from onca.ops import fused_add_rms_norm as op
 from onca.ops.fused_add_rms_norm import fused_add_rms_norm
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, non_contiguous, randn
@@ -62,9 +62,11 @@ def check(x, r, w, eps=1e-6, offset=0.0, casting="llama", in_place=False, use=("
     assert_close(rk.grad, expected, x.dtype, "dresidual")
     assert wk.grad.dtype == w.dtype
     assert_close(wk.grad, torch.zeros_like(w64) if w64.grad is None else w64.grad, x.dtype, "dw")
-    # Exact checks last (tools/sm90_compile.py runs the tests without computing anything).
-    assert torch.equal(xk.grad, rk.grad)
-    check_residual_sum(h, x, r)
+    # Exact checks last, and only where kernels really run: tools/sm90_compile.py compiles them
+    # without running, and a failing check there would keep these large tensors alive.
+    if accelerator() != "cpu" or interpreter_active():
+        assert torch.equal(xk.grad, rk.grad)
+        check_residual_sum(h, x, r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -233,3 +235,13 @@ def test_backward_plan_is_persistent(profile):
     plans = op.plan(BASE_SHAPE, torch.bfloat16, profile)
     assert plans["backward"].persistent
     assert plans["backward"].grid <= profile.compute_units
+
+
+def test_functional_api(device):
+    import onca
+
+    x, r = randn(3, 64, device=device), randn(3, 64, device=device)
+    w = randn(64, device=device) + 1.0
+    got = onca.functional.fused_add_rms_norm(x, r, w, 1e-5, 1.0, "gemma")
+    expected = fused_add_rms_norm(x, r, w, 1e-5, 1.0, "gemma")
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

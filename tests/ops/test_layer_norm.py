@@ -215,3 +215,12 @@ def test_backward_plan_is_persistent(profile):
     plans = op.plan(BASE_SHAPE, torch.bfloat16, profile)
     assert plans["backward"].persistent
     assert plans["backward"].grid <= profile.compute_units
+
+
+def test_functional_api(device):
+    import onca
+
+    x = randn(3, 64, device=device)
+    w, b = params(64, "weight+bias", torch.float32, device)
+    assert torch.equal(onca.functional.layer_norm(x, w, b, 1e-5), layer_norm(x, w, b, 1e-5))
+    assert torch.equal(onca.functional.layer_norm(x, None), layer_norm(x))

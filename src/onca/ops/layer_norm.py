@@ -275,8 +275,10 @@ def layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw: bool, compute
     n_partials = int(compute_dw) + int(compute_db)
     # The column-tiled path accumulates into the partial rows, so it needs them zeroed; the
     # single-pass path writes every row once (each program of the grid has at least one row block).
+    # With neither gradient asked for, a placeholder (never read or written) stands in.
     alloc = torch.zeros if p.col_tiles > 1 else torch.empty
-    partials = alloc((max(n_partials, 1), p.grid, cols), dtype=torch.float32, device=x2d.device)
+    shape = (n_partials, p.grid, cols) if n_partials else (1, 1, 1)
+    partials = alloc(shape, dtype=torch.float32, device=x2d.device)
     dw_partial = partials[0]
     db_partial = partials[n_partials - 1] if compute_db else partials[0]
     _layer_norm_backward_kernel[(p.grid,)](
