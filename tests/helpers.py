@@ -86,5 +86,9 @@ def non_contiguous(t: torch.Tensor, how: str = "rows") -> torch.Tensor:
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
-    """A detached, grad-requiring copy of ``t``."""
-    return t.detach().clone().requires_grad_(True)
+    """A grad-requiring leaf with ``t``'s values and ``t``'s exact layout (strides, gaps between
+    rows included: ``clone`` would make a gapped view contiguous and hide the strided path)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)
+    return out.requires_grad_(True)

@@ -61,6 +61,8 @@ def test_field_overrides(monkeypatch):
     p = d.get_profile()
     assert (p.name, p.onchip_bytes, p.compute_units) == ("ascend950", 4096, 3)
     monkeypatch.setenv("ONCA_COMPUTE_UNITS", "many")
+    assert d.get_profile() is p  # kept until reset(): every launch asks for the profile
+    d.reset()
     with pytest.raises(ValueError, match="ONCA_COMPUTE_UNITS must be a positive integer"):
         d.get_profile()
 

@@ -39,9 +39,13 @@ def _check_plan(profile, shape, dtype, tiles, persistent):
     assert (p.block_cols * itemsize) % profile.align_bytes == 0
     if profile.kind == "npu":
         assert (p.block_cols * itemsize) % 32 == 0
-    # Persistent grids never exceed the compute units.
+    # Persistent profiles (Ascend, the interpreter) never launch more programs than compute units.
+    # A GPU's persistent grid keeps `warps_per_unit` warps resident per SM, as several programs.
     if p.persistent:
-        assert p.grid <= profile.compute_units
+        per_unit = max(1, profile.warps_per_unit // p.num_warps) if profile.warps_per_unit else 1
+        assert p.grid <= profile.compute_units * per_unit
+        if profile.persistent:
+            assert p.grid <= profile.compute_units
     assert p.persistent == (profile.persistent if persistent is None else persistent)
     # A row wider than one block is split into column tiles; otherwise one pass.
     assert p.col_tiles == -(-cols // p.block_cols)

@@ -16,4 +16,18 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["functional", "nn", "get_profile", "__version__"]
+__all__ = [
+    "functional", "nn", "get_profile", "apply", "apply_to", "unapply", "unapply_to",
+    "AutoModelForCausalLM", "__version__",
+]
+
+_INTEGRATION = ("apply", "apply_to", "unapply", "unapply_to", "AutoModelForCausalLM")
+
+
+def __getattr__(name):
+    # The transformers integration is imported on first use: `import onca` needs no transformers.
+    if name in _INTEGRATION:
+        from onca.integrations import transformers as integration
+
+        return getattr(integration, name)
+    raise AttributeError(f"module 'onca' has no attribute {name!r}")

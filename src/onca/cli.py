@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import platform
 import sys
@@ -87,6 +88,114 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _csv_list(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def cmd_bench(args) -> int:
+    import os
+
+    import torch
+
+    from onca import device
+    from onca.bench import harness, plot, records, report
+    from onca.bench.spec import MODES, PROVIDERS
+
+    if args.list:
+        for op in harness.list_ops():
+            bench = harness.load(op)
+            sweeps = ", ".join(f"{s.kind}:{s.x_name}({len(s.points)})" for s in bench.sweeps)
+            print(f"{op:28s} {sweeps}")
+        return 0
+    targets = list(args.targets)
+    if targets[:1] == ["plot"]:
+        if len(targets) != 2:
+            print("usage: onca bench plot CSV", file=sys.stderr)
+            return 2
+        for path in plot.plot_csv(targets[1], args.plot_dir, include_cpu=args.include_cpu):
+            print(path)
+        return 0
+    if not targets:
+        print("onca bench: name an op, 'all', 'plot CSV', or use --list", file=sys.stderr)
+        return 2
+    ops = harness.list_ops() if targets == ["all"] else targets
+    unknown = [op for op in ops if op not in harness.list_ops()]
+    if unknown:
+        print(f"onca bench: no benchmark for {', '.join(unknown)}; see onca bench --list", file=sys.stderr)
+        return 2
+    bad = [m for m in args.modes if m not in MODES] + [p for p in args.providers if p not in PROVIDERS]
+    if bad:
+        print(f"onca bench: unknown mode/provider {', '.join(bad)} (modes: {', '.join(MODES)}; "
+              f"providers: {', '.join(PROVIDERS)})", file=sys.stderr)
+        return 2
+
+    where = device.accelerator()
+    settings = harness.Settings(device="cuda" if where == "cuda" else "cpu", dtype=args.dtype,
+                                providers=args.providers, modes=args.modes)
+    if not settings.on_gpu:
+        print("onca bench: no GPU here; running each sweep once at a tiny size on the CPU "
+              "(a smoke test of the benchmark code, not a measurement)")
+    runner = harness.Harness(settings, progress=not args.no_progress)
+    for op in ops:
+        bench = harness.load(op)
+        kinds = ("d1", "d2") if args.sweep == "all" else (args.sweep,)
+        sweeps = [s for s in bench.sweeps if s.kind in kinds]
+        new = runner.run(bench, sweeps)
+        print(report.table(new, "speed"))
+        if settings.on_gpu:
+            print()
+            print(report.table([r for r in new if r.kernel_operation_mode == "full"], "memory"))
+        dtype = str(args.dtype).replace("torch.", "")
+        slug = plot._slug(runner.gpu_name)
+        records.write_json(os.path.join(args.out, f"{op}-{slug}-{dtype}.json"), new)
+        n = records.append_csv(os.path.join(args.out, "results.csv"), new)
+        print(f"\n{op}: {n} rows appended to {os.path.join(args.out, 'results.csv')}")
+    if args.plot:
+        for path in plot.plot_csv(os.path.join(args.out, "results.csv"), args.plot_dir, ops=ops,
+                                  include_cpu=not settings.on_gpu):
+            print(path)
+    del torch
+    return 0
+
+
+def cmd_compare(args) -> int:
+    import dataclasses
+
+    from onca import device
+
+    try:
+        from onca.integrations.transformers import compare, presets
+    except ImportError as exc:
+        print(f"onca compare needs transformers: pip install 'onca[transformers]' ({exc})", file=sys.stderr)
+        return 2
+    where = "cuda" if device.accelerator() == "cuda" else "cpu"
+    settings = compare.defaults_for(where)
+    changes = {k: v for k, v in dict(model=args.model, preset=args.preset, batch=args.batch, seq=args.seq,
+                                     steps=args.steps, dtype=args.dtype, lr=args.lr, layers=args.layers,
+                                     seed=args.seed).items() if v is not None}
+    if args.gradient_checkpointing is not None:
+        changes["gradient_checkpointing"] = args.gradient_checkpointing
+    if args.model is not None and args.preset is None and not os.path.isdir(args.model):
+        # Another family than the default: its first registry preset on a GPU, tiny on the CPU.
+        model_type = presets.resolve_model_type(args.model)
+        choices = list(presets.PRESETS.get(model_type, {}))
+        changes["preset"] = choices[0] if (where == "cuda" and choices) else "tiny"
+    if args.variants:
+        changes["variants"] = args.variants
+    settings = dataclasses.replace(settings, **changes)
+    if settings.steps <= settings.warmup_steps:
+        settings = dataclasses.replace(settings, warmup_steps=max(0, settings.steps - 1))
+    try:
+        results, config = compare.run(settings, show_progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"onca compare: {exc}", file=sys.stderr)
+        return 2
+    print(compare.report(results, settings, config))
+    if args.plot:
+        print(f"plot: {compare.plot(results, settings, args.plot)}")
+    return 0 if all(r.ok or r.variant == "liger" for r in results) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onca", description="Fast, memory-lean Triton kernels for LLM training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +209,44 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", type=parse_dtype, default="bf16")
     plan.add_argument("--profile", help="a built-in profile name (default: detected)")
     plan.set_defaults(func=cmd_plan)
+
+    bench = sub.add_parser("bench", help="benchmark ops against torch, torch.compile and liger-kernel",
+                           description="onca bench OP|all [options], onca bench plot CSV, onca bench --list")
+    bench.add_argument("targets", nargs="*", help="op names, 'all', or 'plot CSV'")
+    bench.add_argument("--list", action="store_true", help="list the ops that have benchmarks")
+    bench.add_argument("--sweep", choices=["d1", "d2", "all"], default="all")
+    bench.add_argument("--modes", type=_csv_list, default=("forward", "backward", "full"))
+    bench.add_argument("--providers", type=_csv_list, default=("onca", "torch", "torch_compile", "liger"))
+    bench.add_argument("--dtype", type=parse_dtype, default="bf16")
+    bench.add_argument("--out", default=os.path.join("benchmarks", "data"), help="results directory")
+    bench.add_argument("--plot", action="store_true", help="draw PNG charts after the run")
+    bench.add_argument("--plot-dir", default=os.path.join("benchmarks", "plots"))
+    bench.add_argument("--include-cpu", action="store_true", help="also chart CPU smoke-test rows")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
+    compare = sub.add_parser(
+        "compare", help="train a model with and without Onca (and liger-kernel) and compare",
+        description="Train the same model from the same seed with Hugging Face alone, with Onca and (when "
+                    "installed) with liger-kernel; print tokens/s, step time, peak memory and the loss of "
+                    "every step side by side. With no arguments: a tiny model on the CPU, a Qwen3-0.6B-shaped "
+                    "model (batch 4, seq 2048, bf16, gradient checkpointing) on a GPU.")
+    compare.add_argument("--model", help="model type (qwen3, llama, mistral, mixtral, qwen2, qwen3_moe, gemma, "
+                                         "gemma2, gemma3, phi3, olmo2, granite) or a local checkpoint path")
+    compare.add_argument("--preset", help="tiny, or a real shape: 0.6b / 8b (qwen3), 8b / 70b (llama), 7b, ...")
+    compare.add_argument("--layers", type=int, help="build fewer layers than the preset has")
+    compare.add_argument("--batch", type=int)
+    compare.add_argument("--seq", type=int)
+    compare.add_argument("--steps", type=int)
+    compare.add_argument("--dtype", type=parse_dtype)
+    compare.add_argument("--lr", type=float)
+    compare.add_argument("--seed", type=int)
+    compare.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None)
+    compare.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    compare.add_argument("--variants", type=_csv_list, help="subset of huggingface,onca,liger")
+    compare.add_argument("--plot", nargs="?", const="onca-compare.png", help="write a PNG (default onca-compare.png)")
+    compare.add_argument("--no-progress", action="store_true")
+    compare.set_defaults(func=cmd_compare)
     return parser
 
 

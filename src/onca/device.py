@@ -39,6 +39,11 @@ class DeviceProfile:
     register budget on a GPU chosen so that a tile does not spill. ``align_bytes`` is the unit every
     block must be a multiple of (32 bytes, one UB block, on Ascend). ``persistent`` means grids are
     capped at ``compute_units`` and each program loops over its share of the work.
+
+    Two GPU-only fields (0 elsewhere): ``tile_elements``, the tile size a one-pass kernel is fastest
+    with (registers, not a byte budget, bound GPU tiles); ``warps_per_unit``, the warps a persistent
+    grid keeps resident per SM, as several programs per SM, so loads stay in flight. With
+    ``warps_per_unit == 0`` a persistent grid has at most one program per compute unit.
     """
 
     kind: str  # "cuda", "npu" or "cpu"
@@ -49,6 +54,8 @@ class DeviceProfile:
     peak_gbps: float
     align_bytes: int = 16
     max_warps: int = 16
+    tile_elements: int = 0
+    warps_per_unit: int = 0
 
     def __post_init__(self):
         if self.kind not in ("cuda", "npu", "cpu"):
@@ -57,9 +64,23 @@ class DeviceProfile:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DeviceProfile.{field} must be a positive int, got {value!r}")
+        for field in ("tile_elements", "warps_per_unit"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"DeviceProfile.{field} must be a non-negative int, got {value!r}")
+
+    def __hash__(self) -> int:
+        # Plans are cached per profile: hash the fields once, not on every kernel launch.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(dataclasses.astuple(self))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     def describe(self) -> str:
         mode = "persistent" if self.persistent else "one program per tile"
+        if self.warps_per_unit:
+            mode += f" ({self.warps_per_unit} warps per unit when persistent)"
         bw = f"{self.peak_gbps:.0f} GB/s" if self.peak_gbps else "n/a"
         return (
             f"{self.name} ({self.kind}): {self.compute_units} compute units, "
@@ -68,10 +89,13 @@ class DeviceProfile:
         )
 
 
-# GPU budget: 256 KiB of live tile data per program. With the planner's ~16 elements per thread
-# and tile, RMSNorm's widest single-pass tiles compile to <= 112 registers per thread for 16 warps
-# on sm_90 (no spills; `tools/sm90_compile.py` shows it), under the 128-register cap at 512 threads.
-_GPU_ONCHIP = 256 * 1024
+# GPU budget: 512 KiB of live tile data per program, counting fp32 temporaries the compiler need
+# not keep alive at once; the planner also caps a GPU tile at 32 elements per thread of a 16-warp
+# program. Tile size and occupancy come from an H200 sweep of RMSNorm launch configurations
+# (16384 x 1024..32768, bf16): one-pass kernels were fastest with about 2048-element tiles,
+# persistent ones with 16 resident warps per SM, and column-tiled ones with 8192-wide tiles.
+_GPU_ONCHIP = 512 * 1024
+_GPU = dict(tile_elements=2048, warps_per_unit=16)
 
 # Ascend figures come from the chips' platform configurations: the Unified Buffer is 196608 bytes
 # on the 910B family and 253952 on the 950 family, in 32-byte blocks; vector-core counts per chip.
@@ -79,10 +103,10 @@ _GPU_ONCHIP = 256 * 1024
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
-        DeviceProfile("cuda", "h100", 132, _GPU_ONCHIP, False, 3350.0),
-        DeviceProfile("cuda", "h200", 132, _GPU_ONCHIP, False, 4800.0),
-        DeviceProfile("cuda", "a100", 108, _GPU_ONCHIP, False, 2039.0),
-        DeviceProfile("cuda", "cuda-generic", 80, _GPU_ONCHIP, False, 1000.0),
+        DeviceProfile("cuda", "h100", 132, _GPU_ONCHIP, False, 3350.0, **_GPU),
+        DeviceProfile("cuda", "h200", 132, _GPU_ONCHIP, False, 4800.0, **_GPU),
+        DeviceProfile("cuda", "a100", 108, _GPU_ONCHIP, False, 2039.0, **_GPU),
+        DeviceProfile("cuda", "cuda-generic", 80, _GPU_ONCHIP, False, 1000.0, **_GPU),
         DeviceProfile("npu", "ascend910b2", 48, 196608, True, 1600.0, align_bytes=32),
         DeviceProfile("npu", "ascend910b4", 40, 196608, True, 800.0, align_bytes=32),
         DeviceProfile("npu", "ascend950", 56, 253952, True, 1600.0, align_bytes=32),
@@ -229,15 +253,27 @@ def _detect(profile_name: str | None, onchip: int | None, units: int | None) -> 
     return dataclasses.replace(profile, **changes) if changes else profile
 
 
+_current: DeviceProfile | None = None
+
+
 def get_profile() -> DeviceProfile:
-    """The profile in force now: detection plus the environment's overrides (cached)."""
-    return _detect(
-        os.environ.get("ONCA_DEVICE_PROFILE") or None,
-        _env_int("ONCA_ONCHIP_BYTES"),
-        _env_int("ONCA_COMPUTE_UNITS"),
-    )
+    """The profile in force: detection plus the environment's overrides.
+
+    Read once and kept (every kernel launch asks for it); call ``reset()`` after changing
+    ``ONCA_DEVICE_PROFILE``, ``ONCA_ONCHIP_BYTES`` or ``ONCA_COMPUTE_UNITS`` in-process.
+    """
+    global _current
+    if _current is None:
+        _current = _detect(
+            os.environ.get("ONCA_DEVICE_PROFILE") or None,
+            _env_int("ONCA_ONCHIP_BYTES"),
+            _env_int("ONCA_COMPUTE_UNITS"),
+        )
+    return _current
 
 
 def reset() -> None:
-    """Forget the detected profile (after changing the accelerator setup in-process)."""
+    """Forget the profile in force, so that the next ``get_profile()`` reads the environment again."""
+    global _current
+    _current = None
     _detect.cache_clear()

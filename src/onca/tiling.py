@@ -138,7 +138,8 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
     bytes_per_col = live_tiles * itemsize + fp32_tiles * 4
     # The narrowest block whose every tile is a whole number of alignment units.
     min_block = max(1, next_power_of_2(math.ceil(profile.align_bytes / itemsize)))
-    widest = _floor_power_of_2(min(profile.onchip_bytes // bytes_per_col, MAX_TILE_ELEMENTS))
+    max_elements = _max_tile_elements(profile)
+    widest = _floor_power_of_2(min(profile.onchip_bytes // bytes_per_col, max_elements))
     if max_block_cols is not None:
         widest = min(widest, _floor_power_of_2(max_block_cols))
     if widest < min_block:
@@ -153,23 +154,26 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
         widest = max(min_block, widest // 2)
     block_cols = max(min_block, min(next_power_of_2(cols), widest))
     col_tiles = math.ceil(cols / block_cols)
+    is_persistent = profile.persistent if persistent is None else persistent
 
     block_rows = 1
     if col_tiles == 1:
         fit = _floor_power_of_2(
-            min(profile.onchip_bytes // (bytes_per_col * block_cols), MAX_TILE_ELEMENTS // block_cols)
+            min(profile.onchip_bytes // (bytes_per_col * block_cols), max_elements // block_cols)
         )
         # Keep at least one row block per compute unit, so that tall tiles never starve the device.
         spread = _floor_power_of_2(max(1, rows // profile.compute_units))
-        block_rows = max(1, min(fit, spread, next_power_of_2(rows)))
+        block_rows = min(fit, spread, next_power_of_2(rows))
+        if profile.tile_elements:
+            block_rows = min(block_rows, _gpu_block_rows(profile, block_cols, is_persistent))
         if max_block_rows is not None:
-            block_rows = max(1, min(block_rows, _floor_power_of_2(max_block_rows)))
+            block_rows = min(block_rows, _floor_power_of_2(max_block_rows))
+        block_rows = max(1, block_rows)
     row_blocks = math.ceil(rows / block_rows)
-    is_persistent = profile.persistent if persistent is None else persistent
-    grid = min(row_blocks, profile.compute_units) if is_persistent else row_blocks
     tile_elements = block_rows * block_cols
-    # About 16 elements of each tile per thread (32 threads a warp), within the profile's cap.
-    num_warps = max(1, min(profile.max_warps, _floor_power_of_2(max(1, tile_elements // 512))))
+    num_warps = _num_warps(profile, tile_elements, is_persistent)
+    per_unit = max(1, profile.warps_per_unit // num_warps) if profile.warps_per_unit else 1
+    grid = min(row_blocks, profile.compute_units * per_unit) if is_persistent else row_blocks
     return RowPlan(
         rows=rows,
         cols=cols,
@@ -184,6 +188,32 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
         persistent=is_persistent,
         profile=profile.name,
     )
+
+
+def _max_tile_elements(profile: DeviceProfile) -> int:
+    """Triton's limit on a block, and on a GPU what the threads can hold in registers: 32 elements
+    per thread of the largest program (more spills; measured in tools/sm90_compile.py)."""
+    if profile.kind == "cuda":
+        return min(MAX_TILE_ELEMENTS, profile.max_warps * 32 * 32)
+    return MAX_TILE_ELEMENTS
+
+
+def _gpu_block_rows(profile: DeviceProfile, block_cols: int, persistent: bool) -> int:
+    """Rows per tile on a GPU, where registers (not a byte budget) bound a tile and occupancy
+    matters. Measured on an H200 (RMSNorm, bf16): one-pass kernels are fastest with tiles of about
+    ``tile_elements`` (2048) elements; persistent kernels, which loop and reduce across rows, want
+    tiles four times larger and at least two rows, so that each program keeps loads in flight."""
+    if persistent:
+        return max(2, 4 * profile.tile_elements // block_cols)
+    return max(1, profile.tile_elements // block_cols)
+
+
+def _num_warps(profile: DeviceProfile, tile_elements: int, persistent: bool) -> int:
+    """About 16 elements of each tile per thread for one-pass kernels and 32 for persistent ones
+    (their loop overlaps one row block's reduction with the next one's loads), 32 threads a warp."""
+    per_thread = 32 if persistent else 16
+    floor = 4 if profile.kind == "cuda" else 1
+    return max(floor, min(profile.max_warps, _floor_power_of_2(max(1, tile_elements // (32 * per_thread)))))
 
 
 @dataclass(frozen=True)

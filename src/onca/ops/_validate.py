@@ -53,6 +53,8 @@ def check_shape(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a 2-D ``(rows, last_dim)`` matrix with unit column stride, copying only if needed."""
+    if t.is_contiguous():  # the common case, on every launch: keep it cheap
+        return t.view(-1, t.shape[-1])
     if t.dim() > 0 and t.stride(-1) != 1:
         t = t.contiguous()
     rows = t.reshape(-1, t.shape[-1])

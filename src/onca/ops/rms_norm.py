@@ -10,10 +10,12 @@ Casting modes follow the Hugging Face models they replace:
 The output has the input's dtype. Saved for backward: the input ``x`` and one fp32 ``rstd`` per row;
 the normalised row is recomputed in the backward pass rather than stored.
 
-Each kernel has a single-pass path (a whole row, or several, in one tile) and a column-tiled path
-(reduce over the row's tiles, then apply), chosen by the plan. ``dW`` is reduced deterministically:
-each program of a persistent grid sums its rows into its own row of a partial buffer, and the
-partials are summed once at the end.
+Each kernel has a single-pass path (a whole row, or several, in one tile) and a column-tiled path,
+chosen by the plan. The tiled forward reduces over the row's tiles, then applies (the second read
+mostly hits L2). The tiled backward first computes each row's ``mean(dn * n)``, then walks column
+tile by column tile over all of its program's rows, so that the tile's ``dW`` stays in registers.
+``dW`` is reduced deterministically: each program of a persistent grid sums its rows into its own
+row of a partial buffer, and the partials are summed once at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
+from onca.ops._partials import sum_partials
 from onca.ops._validate import as_rows, check_float, check_last_dim, check_nonempty, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
@@ -104,7 +107,7 @@ def _rms_norm_forward_kernel(
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, c_ptr,
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
     CASTING: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -140,6 +143,7 @@ def _rms_norm_backward_kernel(
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dw_row + col_offsets, dw_acc, mask=col_mask)
     else:
+        # Phase 1, row by row: c = mean(dn * n) of each of this program's rows, kept in `c_ptr`.
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
@@ -155,22 +159,33 @@ def _rms_norm_backward_kernel(
                 w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
                 n = _normalized(x.to(tl.float32), rstd, CASTING, X_DTYPE)
                 dot += tl.sum(_scale(dy.to(tl.float32), w, offset, CASTING, X_DTYPE) * n, axis=1)
-            c = dot / n_cols
-            for tile in range(COL_TILES):
-                cols = tile * BLOCK_COLS + col_offsets
-                col_mask = cols < n_cols
+            tl.store(c_ptr + rows, dot / n_cols, mask=row_mask)
+        # The rows' c were written by other threads of this program.
+        tl.debug_barrier()
+        # Phase 2, column tile by column tile: dx of every row of this program, and the tile's dW
+        # summed over them in registers (no read-modify-write of the partial row).
+        for tile in range(COL_TILES):
+            cols = tile * BLOCK_COLS + col_offsets
+            col_mask = cols < n_cols
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+            dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            for row_block in tl.range(pid, n_row_blocks, n_programs):
+                rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+                row_mask = rows < n_rows
+                rows64 = rows.to(tl.int64)[:, None]
                 mask = row_mask[:, None] & col_mask[None, :]
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                c = tl.load(c_ptr + rows, mask=row_mask, other=0.0)
                 x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
                 dy = dy.to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
                 n = _normalized(x.to(tl.float32), rstd, CASTING, X_DTYPE)
                 dn = _scale(dy, w, offset, CASTING, X_DTYPE)
                 dx = (dn - n * c[:, None]) * rstd[:, None]
                 tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :],
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                partial = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                tl.store(dw_row + cols, partial + tl.sum(dy * n, axis=0), mask=col_mask)
+                dw_acc += tl.sum(dy * n, axis=0)
+            tl.store(dw_row + cols, dw_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -213,15 +228,16 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, casting: int, in_p
     rows, cols = x2d.shape
     p = plan_rows(rows, cols, x2d.dtype, persistent=True, **BACKWARD_TILES)
     dx = dy2d if in_place else torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
-    # Zeroed because the column-tiled path accumulates into it; the single-pass path overwrites.
-    dw_partial = torch.zeros((p.grid, cols), dtype=torch.float32, device=x2d.device)
+    dw_partial = torch.empty((p.grid, cols), dtype=torch.float32, device=x2d.device)
+    # The column-tiled path keeps each row's mean(dn * n) between its two phases.
+    c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=x2d.device)
     _rms_norm_backward_kernel[(p.grid,)](
-        dy2d, x2d, weight, rstd, dx, dw_partial,
+        dy2d, x2d, weight, rstd, dx, dw_partial, c,
         rows, cols, dy2d.stride(0), x2d.stride(0), dx.stride(0), offset,
         CASTING=casting, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
-    return dx, dw_partial.sum(dim=0).to(weight.dtype)
+    return dx, sum_partials(dw_partial, weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------- autograd

@@ -1,0 +1,414 @@
+"""The benchmark harness: runs one op's declared benchmark for every available provider.
+
+For each point of a sweep and each provider, the harness
+
+1. estimates the provider's peak memory for each mode (the op's formula, corrected by a probe run
+   at a small size) and skips what would not fit the device's free memory, recording the estimate;
+2. times forward, backward and full (forward + backward) with the 20th, 50th and 80th percentiles
+   (GPU: ``triton.testing.do_bench``, CUDA events, warm-up and an L2 flush before each repetition);
+3. measures the peak memory of each mode (``torch.cuda.max_memory_allocated``, inputs included);
+4. turns bytes moved into GB/s and percent of the profile's peak and of the measured copy bandwidth,
+   and FLOPs into TFLOP/s, where the op declares them.
+
+An out-of-memory error is caught and recorded, and the sweep goes on. On the CPU the same code runs
+once per sweep at the op's small probe size: a smoke test of the benchmark, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import math
+import pkgutil
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from onca.bench.records import Point, Record
+from onca.bench.spec import MODES, PROVIDERS, OpBenchmark, Sweep
+
+MB = 1 << 20
+# Fraction of the free device memory a point may be estimated to use before it is skipped.
+FIT_FRACTION = 0.9
+
+
+def list_ops() -> list[str]:
+    import onca.bench.ops
+
+    return sorted(m.name for m in pkgutil.iter_modules(onca.bench.ops.__path__) if not m.name.startswith("_"))
+
+
+def load(op: str) -> OpBenchmark:
+    if op not in list_ops():
+        raise ValueError(f"no benchmark for {op!r}; benchmarks: {', '.join(list_ops())}")
+    return importlib.import_module(f"onca.bench.ops.{op}").BENCHMARK
+
+
+def _version() -> str:
+    import onca
+
+    return onca.__version__
+
+
+@dataclass
+class Settings:
+    device: str
+    dtype: torch.dtype = torch.bfloat16
+    providers: tuple[str, ...] = PROVIDERS
+    modes: tuple[str, ...] = MODES
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    cpu_reps: int = 2
+
+    @property
+    def on_gpu(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+
+@dataclass
+class _ProviderState:
+    available: bool = True
+    note: str = ""
+    # measured / estimated peak memory at the probe size, per mode (>= 1 after clamping)
+    memory_ratio: dict[str, float] = field(default_factory=dict)
+
+
+class Harness:
+    """Runs sweeps of one op; ``records`` accumulates what was measured."""
+
+    def __init__(self, settings: Settings, progress: bool = True):
+        self.settings = settings
+        self.progress = progress
+        self.records: list[Record] = []
+        self._copy_gbps: float | None = None
+
+    # ------------------------------------------------------------------------------ device facts
+
+    @property
+    def gpu_name(self) -> str:
+        if self.settings.on_gpu:
+            return torch.cuda.get_device_name(torch.device(self.settings.device))
+        return "cpu"
+
+    def copy_gbps(self) -> float | None:
+        """Device-to-device copy bandwidth, bytes read plus written (measured once)."""
+        if not self.settings.on_gpu:
+            return None
+        if self._copy_gbps is None:
+            import triton.testing
+
+            src = torch.empty(1 << 30, dtype=torch.uint8, device=self.settings.device)
+            dst = torch.empty_like(src)
+            ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+            self._copy_gbps = 2 * src.numel() / (ms * 1e-3) / 1e9
+            del src, dst
+            _free()
+        return self._copy_gbps
+
+    def free_bytes(self) -> int:
+        from onca.device import free_memory
+
+        return free_memory(self.settings.device)
+
+    # ---------------------------------------------------------------------------------- sweeps
+
+    def points(self, bench: OpBenchmark, sweep: Sweep):
+        if self.settings.on_gpu:
+            return list(sweep.points)
+        # CPU: one point at the op's probe size, through the very same code path.
+        return [(bench.probe.get(sweep.x_name, "probe"), dict(bench.probe))]
+
+    def run(self, bench: OpBenchmark, sweeps: list[Sweep]) -> list[Record]:
+        from onca.device import get_profile
+
+        profile = get_profile()
+        states = self._probe(bench)
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        new_records: list[Record] = []
+        work = [(sweep, x, params) for sweep in sweeps for x, params in self.points(bench, sweep)]
+        bar = _progress(len(work) * len(self.settings.providers), f"bench {bench.name}", self.progress)
+        # Points with the same parameters (models sharing a hidden size, a D1 point that is also a
+        # D2 point) are measured once and reported under each x.
+        measured: dict[tuple, dict] = {}
+        for sweep in sweeps:
+            records = self._records_for(bench, sweep, stamp)
+            for _, x, params in [w for w in work if w[0] is sweep]:
+                key = tuple(sorted((k, repr(v)) for k, v in params.items() if k != "model"))
+                for provider in self.settings.providers:
+                    bar.set_postfix_str(f"{sweep.x_name}={x} {provider}")
+                    if (provider, key) not in measured:
+                        measured[(provider, key)] = self._run_point(bench, provider, states[provider], params,
+                                                                    x, profile)
+                    for (metric, mode), point in measured[(provider, key)].items():
+                        records[(provider, metric, mode)].points.append(dataclasses.replace(point, x=x))
+                    bar.update(1)
+            new_records.extend(records.values())
+        bar.close()
+        self.records.extend(new_records)
+        return new_records
+
+    def _records_for(self, bench, sweep, stamp) -> dict[tuple, Record]:
+        records = {}
+        for provider in self.settings.providers:
+            for metric, unit in (("speed", "ms"), ("memory", "MB")):
+                for mode in self.settings.modes:
+                    records[(provider, metric, mode)] = Record(
+                        kernel_name=bench.name, kernel_provider=provider, metric_name=metric,
+                        metric_unit=unit, gpu_name=self.gpu_name, x_name=sweep.x_name,
+                        x_label=sweep.x_label, timestamp=stamp, kernel_operation_mode=mode,
+                        extra_benchmark_config_str=bench.config, onca_version=_version(),
+                        sweep=sweep.kind, dtype=str(self.settings.dtype).replace("torch.", ""),
+                    )
+        return records
+
+    # -------------------------------------------------------------------------------- a point
+
+    def _factory(self, bench: OpBenchmark, provider: str):
+        if provider == "onca":
+            return bench.onca
+        if provider == "torch":
+            return bench.reference
+        if provider == "torch_compile":
+            def compiled(params, inputs):
+                torch._dynamo.reset()  # a fresh cache per point: no silent fall back to eager
+                return torch.compile(bench.reference(params, inputs))
+
+            return compiled
+        if provider == "liger":
+            return bench.liger
+        raise ValueError(f"unknown provider {provider!r} (providers: {', '.join(PROVIDERS)})")
+
+    def _run_point(self, bench, provider, state, params, x, profile) -> dict[tuple, Point]:
+        modes = [m for m in self.settings.modes if m in bench.modes]
+        out: dict[tuple, Point] = {}
+        if not state.available:
+            for mode in modes:
+                for metric in ("speed", "memory"):
+                    out[(metric, mode)] = Point(x, status="unavailable", note=state.note)
+            return out
+        free = self.free_bytes()
+        inputs = run = None
+        try:
+            for mode in modes:
+                estimate = bench.memory_estimate(params, self.settings.dtype, provider, mode)
+                estimate *= state.memory_ratio.get(mode, 1.0)
+                est_mb = estimate / MB
+                if estimate > FIT_FRACTION * free:
+                    note = f"estimated {est_mb:.0f} MB > {FIT_FRACTION:.0%} of {free / MB:.0f} MB free"
+                    for metric in ("speed", "memory"):
+                        out[(metric, mode)] = Point(x, status="skipped", note=note, estimate_mb=est_mb)
+                    continue
+                try:
+                    if inputs is None:
+                        inputs = bench.make_inputs(params, self.settings.dtype, self.settings.device)
+                        # Built once per point: modules, options and torch.compile's graph.
+                        run = self._factory(bench, provider)(params, inputs)
+                    speed, memory = self._measure(run, inputs, mode)
+                except torch.OutOfMemoryError as exc:
+                    inputs = run = None
+                    _free()
+                    note = f"out of memory: {str(exc).splitlines()[0][:160]}"
+                    for metric in ("speed", "memory"):
+                        out[(metric, mode)] = Point(x, status="oom", note=note, estimate_mb=est_mb)
+                    continue
+                except Exception as exc:  # one failing provider must not end the sweep
+                    note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    for metric in ("speed", "memory"):
+                        out[(metric, mode)] = Point(x, status="error", note=note, estimate_mb=est_mb)
+                    continue
+                p50, p20, p80 = speed
+                point = Point(x, p50, p20, p80, estimate_mb=est_mb)
+                self._rates(point, bench, params, mode, profile)
+                out[("speed", mode)] = point
+                if memory is None:
+                    out[("memory", mode)] = Point(x, status="unmeasured", note="no memory counters on the CPU",
+                                                  estimate_mb=est_mb)
+                else:
+                    out[("memory", mode)] = Point(x, memory, memory, memory, estimate_mb=est_mb)
+        finally:
+            del inputs, run
+            _free()
+        return out
+
+    def _rates(self, point: Point, bench, params, mode, profile) -> None:
+        seconds = point.y50 * 1e-3
+        if bench.bytes_moved is not None and seconds > 0:
+            gbps = bench.bytes_moved(params, self.settings.dtype, mode) / seconds / 1e9
+            point.gbps = gbps
+            if profile.peak_gbps:
+                point.pct_of_peak = 100 * gbps / profile.peak_gbps
+            copy = self.copy_gbps()
+            if copy:
+                point.pct_of_copy = 100 * gbps / copy
+        if bench.flops is not None and seconds > 0:
+            point.tflops = bench.flops(params, mode) / seconds / 1e12
+
+    # ---------------------------------------------------------------------------- measuring
+
+    def _measure(self, run, inputs, mode):
+        leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        speed = self._time_mode(run, leaves, mode)
+        # The timing closure (and any graph it kept) is gone before memory is measured.
+        memory = self._peak_memory(run, mode, leaves)
+        return speed, memory
+
+    def _time_mode(self, run, leaves, mode):
+        for t in leaves:
+            t.grad = None
+        if mode == "forward":
+            fn = run
+        elif mode == "backward":
+            outs, grads = _outputs_and_grads(run())
+
+            def fn():
+                torch.autograd.backward(outs, grads, retain_graph=True)
+        elif mode == "full":
+            grads = _outputs_and_grads(run())[1]  # the first outputs (and graph) die here
+
+            def fn():
+                outs, _ = _outputs_and_grads(run(), make_grads=False)
+                torch.autograd.backward(outs, grads)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+        fn()  # warm-up outside the timed region: compilation, autotuning, allocator growth
+        return self._time(fn, leaves)
+
+    def _time(self, fn, leaves):
+        if self.settings.on_gpu:
+            import triton.testing
+
+            q = triton.testing.do_bench(fn, warmup=self.settings.warmup_ms, rep=self.settings.rep_ms,
+                                        grad_to_none=leaves or None, quantiles=[0.5, 0.2, 0.8])
+            return tuple(float(v) for v in q)
+        times = []
+        for _ in range(self.settings.cpu_reps):
+            for t in leaves:
+                t.grad = None
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return percentiles(times)
+
+    def _peak_memory(self, run, mode, leaves):
+        if not self.settings.on_gpu:
+            return None
+        for t in leaves:
+            t.grad = None
+        _free()
+        torch.cuda.synchronize()
+        if mode == "forward":
+            torch.cuda.reset_peak_memory_stats()
+            result = run()
+            del result
+        elif mode == "backward":
+            # The forward's saved tensors are part of the backward's footprint: build them first.
+            outs, grads = _outputs_and_grads(run())
+            torch.cuda.reset_peak_memory_stats()
+            torch.autograd.backward(outs, grads)
+            del outs, grads
+        else:
+            grads = _outputs_and_grads(run())[1]
+            _free()
+            torch.cuda.reset_peak_memory_stats()
+            outs, _ = _outputs_and_grads(run(), make_grads=False)
+            torch.autograd.backward(outs, grads)
+            del outs, grads
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / MB
+
+    # ------------------------------------------------------------------------------- probing
+
+    def _probe(self, bench: OpBenchmark) -> dict[str, _ProviderState]:
+        """Check availability and calibrate memory estimates at the op's small probe size."""
+        states = {}
+        for provider in self.settings.providers:
+            state = _ProviderState()
+            factory = self._factory(bench, provider)
+            if factory is None:
+                state.available, state.note = False, f"{bench.name} has no {provider} implementation"
+                states[provider] = state
+                continue
+            inputs = None
+            try:
+                inputs = bench.make_inputs(bench.probe, self.settings.dtype, self.settings.device)
+                run = factory(bench.probe, inputs)
+                if self.settings.on_gpu:
+                    for mode in self.settings.modes:
+                        if mode not in bench.modes:
+                            continue
+                        _, measured = self._measure(run, inputs, mode)
+                        estimate = bench.memory_estimate(bench.probe, self.settings.dtype, provider, mode)
+                        state.memory_ratio[mode] = calibration(measured * MB, estimate)
+            except ImportError as exc:
+                state.available, state.note = False, f"not installed ({exc.name or exc})"
+            except Exception as exc:
+                state.available = False
+                state.note = f"probe failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            finally:
+                del inputs
+                _free()
+            states[provider] = state
+        return states
+
+
+def calibration(measured_bytes: float, estimated_bytes: float) -> float:
+    """The factor applied to a provider's estimates after its probe run: measured over estimated,
+    only ever upwards (an estimate that was too high stays, it only skips more) and at most 4x (the
+    formula is the model; a probe dominated by fixed costs must not inflate large points)."""
+    return min(4.0, max(1.0, measured_bytes / max(estimated_bytes, 1.0)))
+
+
+def _outputs_and_grads(result, make_grads: bool = True):
+    """The differentiable tensors of a provider's result, and a gradient for each."""
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    outs = tuple(t for t in items if isinstance(t, torch.Tensor) and t.requires_grad)
+    if not outs:
+        raise RuntimeError("the provider's result has no tensor that requires grad")
+    if not make_grads:
+        return outs, None
+    grads = tuple(torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in outs)
+    return outs, grads
+
+
+def percentiles(values) -> tuple[float, float, float]:
+    """(50th, 20th, 80th) percentiles with linear interpolation."""
+    data = sorted(float(v) for v in values)
+    if not data:
+        return (math.nan,) * 3
+
+    def q(frac):
+        pos = frac * (len(data) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+    return q(0.5), q(0.2), q(0.8)
+
+
+def _free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total, desc, enabled):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="run", leave=False)

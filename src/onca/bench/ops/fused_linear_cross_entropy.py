@@ -1,0 +1,112 @@
+"""Fused linear cross entropy benchmark: a causal LM's head and loss, ``hidden (T, H) -> loss``.
+
+Reference: the eager computation of a Hugging Face causal LM, ``F.cross_entropy((h @ W.T).float(),
+y)`` (the head's matmul in the input dtype, the loss on upcast logits), timed eager as ``torch`` and
+compiled as ``torch_compile``. liger-kernel: ``LigerFusedLinearCrossEntropyFunction`` with its
+defaults. Matmul-bound: three ``2 * T * V * H`` matmuls for forward + backward (``flops``); the
+memory metric of the D1 sweeps shows the peak against tokens and vocabulary with the eager line
+beside it. The ``chunk_tokens`` sweep varies only Onca's tokens per chunk (the other providers
+are repeated unchanged at each point), to show its speed/memory trade-off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from onca.bench.spec import OpBenchmark, d1, d2, itemsize
+
+TOKENS = 8192
+HIDDEN = 4096
+VOCAB = 128256
+
+
+def make_inputs(p, dtype, device):
+    t, h, v = p["tokens"], p["hidden"], p["vocab"]
+    hidden = torch.randn(t, h, dtype=torch.float32, device=device).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, dtype=torch.float32, device=device) * h ** -0.5).to(dtype).requires_grad_(True)
+    target = torch.randint(0, v, (t,), device=device)
+    return {"hidden": hidden, "weight": weight, "target": target}
+
+
+def onca(p, inputs):
+    from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    chunk = p.get("chunk_tokens")
+    return lambda: fused_linear_cross_entropy(inputs["hidden"], inputs["weight"], inputs["target"],
+                                              chunk_tokens=chunk)
+
+
+def reference(p, inputs):
+    def hf_head_and_loss(hidden, weight, target):  # lm_head, then ForCausalLMLoss's upcast
+        return F.cross_entropy((hidden @ weight.T).float(), target, ignore_index=-100)
+
+    return lambda: hf_head_and_loss(inputs["hidden"], inputs["weight"], inputs["target"])
+
+
+def liger(p, inputs):
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    # Returns (loss, z_loss, token_accuracy, predicted_tokens).
+    return lambda: LigerFusedLinearCrossEntropyFunction.apply(inputs["hidden"], inputs["weight"], inputs["target"])
+
+
+def flops(p, mode):
+    one = 2.0 * p["tokens"] * p["hidden"] * p["vocab"]  # one of the three matmuls
+    return {"forward": one, "backward": 2 * one, "full": 3 * one}[mode]
+
+
+def _onca_chunk(p):
+    from onca.ops.fused_linear_cross_entropy import CHUNK_TOKENS
+
+    return min(p["tokens"], p.get("chunk_tokens") or CHUNK_TOKENS)
+
+
+def _liger_chunk(p):
+    t, h, v = p["tokens"], p["hidden"], p["vocab"]
+    inc = -(-v // h)
+    chunk = 1 << max(0, (-(-t // inc) - 1).bit_length())
+    return min(chunk, t)
+
+
+def memory_estimate(p, dtype, provider, mode):
+    t, h, v, b = p["tokens"], p["hidden"], p["vocab"], itemsize(dtype)
+    inputs = (t * h + v * h) * b + 8 * t
+    grads = (t * h + v * h) * b  # dHidden and dW, in every provider
+    if provider == "onca":
+        extra = _onca_chunk(p) * v * b + 16 * t
+    elif provider == "liger":
+        extra = _liger_chunk(p) * v * b + 16 * t
+    elif provider == "torch":
+        # logits in the input dtype, their fp32 upcast and log-softmax; backward: fp32 gradients
+        # of both and the logits' gradient in the input dtype.
+        extra = t * v * (b + 8) if mode == "forward" else t * v * (2 * b + 12)
+    else:  # torch_compile: the logits and their gradient
+        extra = t * v * (b + 4) if mode == "forward" else t * v * (2 * b + 4)
+    if provider in ("torch", "torch_compile") and mode == "forward":
+        grads = 0
+    return inputs + grads + extra + (1 << 20)
+
+
+BENCHMARK = OpBenchmark(
+    name="fused_linear_cross_entropy",
+    make_inputs=make_inputs,
+    onca=onca,
+    reference=reference,
+    liger=liger,
+    sweeps=(
+        d1("tokens", [2048, 8192, 16384, 32768], {"hidden": HIDDEN, "vocab": VOCAB},
+           "tokens (hidden 4096, vocab 128256)"),
+        d1("vocab", [32000, 128256, 151936, 262144], {"tokens": TOKENS, "hidden": HIDDEN},
+           "vocabulary (8192 tokens, hidden 4096)"),
+        d1("chunk_tokens", [256, 512, 1024, 4096],
+           {"tokens": TOKENS, "hidden": HIDDEN, "vocab": VOCAB},
+           "Onca tokens per chunk (8192 tokens, hidden 4096, vocab 128256)"),
+        d2(lambda m: {"tokens": TOKENS, "hidden": m.hidden_size, "vocab": m.vocab_size}),
+    ),
+    flops=flops,
+    memory_estimate=memory_estimate,
+    probe={"tokens": 256, "hidden": 256, "vocab": 4096},
+    config="bf16 by default, mean, no ignored targets, no bias; reference = eager lm_head + "
+           "F.cross_entropy on upcast logits (HF causal LM); liger and onca with their defaults",
+)

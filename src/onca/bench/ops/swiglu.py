@@ -1,0 +1,87 @@
+"""SwiGLU benchmark: the activation product ``c = silu(a) * b`` over ``(tokens, intermediate)``.
+
+As liger-kernel's own SwiGLU benchmark, the op alone is timed (the projections are matmuls that
+every provider runs alike). Onca and liger write ``da``/``db`` over ``a``/``b`` in the backward
+(``in_place=True`` for onca; liger always does), so neither allocates in its backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onca.bench.spec import OpBenchmark, d1, d2, itemsize
+
+TOKENS = 16384
+INTERMEDIATE = 14336
+
+
+def make_inputs(p, dtype, device):
+    shape = (p["tokens"], p["intermediate"])
+    a = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    b = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    return {"a": a, "b": b}
+
+
+def onca(p, inputs):
+    from onca.ops.swiglu import swiglu
+
+    return lambda: swiglu(inputs["a"], inputs["b"], in_place=True)
+
+
+def reference(p, inputs):
+    def llama_swiglu(a, b):  # transformers' LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+        return torch.nn.functional.silu(a) * b
+
+    return lambda: llama_swiglu(inputs["a"], inputs["b"])
+
+
+def liger(p, inputs):
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return lambda: LigerSiLUMulFunction.apply(inputs["a"], inputs["b"])
+
+
+def bytes_moved(p, dtype, mode):
+    elements = p["tokens"] * p["intermediate"] * itemsize(dtype)
+    forward = 3 * elements  # read a, b; write c
+    backward = 5 * elements  # read dc, a, b; write da, db
+    return {"forward": forward, "backward": backward, "full": forward + backward}[mode]
+
+
+# Peak (T x I) tensors alive, inputs a and b included; backward modes also hold c and dc.
+_TENSORS = {
+    # c; the backward writes da/db over a/b and allocates nothing.
+    "onca": {"forward": 3, "backward": 4, "full": 4},
+    "liger": {"forward": 3, "backward": 4, "full": 4},
+    # silu(a) is saved for the product's backward; the backward allocates silu(a)'s gradient,
+    # da and db.
+    "torch": {"forward": 4, "backward": 8, "full": 8},
+    # fused: saves a and b, the backward allocates da and db.
+    "torch_compile": {"forward": 3, "backward": 6, "full": 6},
+}
+
+
+def memory_estimate(p, dtype, provider, mode):
+    return _TENSORS[provider][mode] * p["tokens"] * p["intermediate"] * itemsize(dtype)
+
+
+def _silu_model(m):
+    return {"tokens": TOKENS, "intermediate": m.intermediate_size} if m.hidden_act == "silu" else None
+
+
+BENCHMARK = OpBenchmark(
+    name="swiglu",
+    make_inputs=make_inputs,
+    onca=onca,
+    reference=reference,
+    liger=liger,
+    sweeps=(
+        d1("tokens", [2048, 8192, 16384, 32768], {"intermediate": INTERMEDIATE},
+           f"tokens (intermediate {INTERMEDIATE})"),
+        d2(_silu_model),
+    ),
+    bytes_moved=bytes_moved,
+    memory_estimate=memory_estimate,
+    probe={"tokens": 256, "intermediate": 1024},
+    config="c = silu(a) * b; onca (in_place=True) and liger write da/db over a/b",
+)

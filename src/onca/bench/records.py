@@ -1,0 +1,136 @@
+"""Benchmark records: the schema of ARCHITECTURE.md, CSV rows (one per point) and JSON records.
+
+A JSON record is one object per (op, provider, metric, mode) over a sweep, holding the x values and
+the 50th/20th/80th percentiles of y at each. A CSV row is one point of one record. Points that did
+not run carry a ``status`` (``skipped``: the memory estimate did not fit the device; ``oom``: it
+ran out of memory; ``error``; ``unavailable``: the provider is not installed) and a ``note``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+CSV_FIELDS = (
+    "kernel_name", "kernel_provider", "metric_name", "metric_unit", "gpu_name", "x_name", "x_label",
+    "x_value", "y_value_50", "y_value_20", "y_value_80", "timestamp", "kernel_operation_mode",
+    "extra_benchmark_config_str", "onca_version", "sweep", "dtype", "status", "note", "gbps",
+    "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb",
+)
+
+
+@dataclass
+class Point:
+    """One measured (or not) point of a record."""
+
+    x: object
+    y50: float = math.nan
+    y20: float = math.nan
+    y80: float = math.nan
+    status: str = "ok"
+    note: str = ""
+    gbps: float | None = None
+    pct_of_peak: float | None = None
+    pct_of_copy: float | None = None
+    tflops: float | None = None
+    estimate_mb: float | None = None
+
+
+@dataclass
+class Record:
+    kernel_name: str
+    kernel_provider: str
+    metric_name: str  # "speed" or "memory"
+    metric_unit: str  # "ms" or "MB"
+    gpu_name: str
+    x_name: str
+    x_label: str
+    timestamp: str
+    kernel_operation_mode: str
+    extra_benchmark_config_str: str
+    onca_version: str
+    sweep: str
+    dtype: str
+    points: list[Point] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """The schema's shape: parallel lists over the sweep's x values."""
+        head = {k: v for k, v in asdict(self).items() if k != "points"}
+        pts = self.points
+        head.update(
+            x_values=[p.x for p in pts],
+            y_values_50=[_num(p.y50) for p in pts],
+            y_values_20=[_num(p.y20) for p in pts],
+            y_values_80=[_num(p.y80) for p in pts],
+            status=[p.status for p in pts],
+            note=[p.note for p in pts],
+        )
+        for extra in ("gbps", "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb"):
+            values = [getattr(p, extra) for p in pts]
+            if any(v is not None for v in values):
+                head[extra] = [_num(v) for v in values]
+        return head
+
+    def csv_rows(self) -> list[dict]:
+        base = {k: v for k, v in asdict(self).items() if k != "points"}
+        rows = []
+        for p in self.points:
+            rows.append({
+                **base,
+                "x_value": p.x, "y_value_50": _num(p.y50), "y_value_20": _num(p.y20),
+                "y_value_80": _num(p.y80), "status": p.status, "note": p.note,
+                "gbps": _num(p.gbps), "pct_of_peak": _num(p.pct_of_peak), "pct_of_copy": _num(p.pct_of_copy),
+                "tflops": _num(p.tflops), "estimate_mb": _num(p.estimate_mb),
+            })
+        return rows
+
+
+def _num(v):
+    if v is None:
+        return None
+    v = float(v)
+    return None if math.isnan(v) else round(v, 6)
+
+
+def append_csv(path: str, records: list[Record]) -> int:
+    """Append every point of ``records`` to ``path`` (created with a header); returns rows written."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    rows = [row for r in records for row in r.csv_rows()]
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
+    return len(rows)
+
+
+def read_csv(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in ("y_value_50", "y_value_20", "y_value_80", "gbps", "pct_of_peak", "pct_of_copy",
+                    "tflops", "estimate_mb"):
+            row[key] = float(row[key]) if row.get(key) not in (None, "") else math.nan
+    return rows
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """Keep, for every (op, provider, metric, mode, sweep, x, device, dtype), the newest row."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["kernel_name"], row["kernel_provider"], row["metric_name"], row["kernel_operation_mode"],
+               row["sweep"], row["x_name"], row["x_value"], row["gpu_name"], row["dtype"])
+        if key not in best or row["timestamp"] >= best[key]["timestamp"]:
+            best[key] = row
+    return list(best.values())
+
+
+def write_json(path: str, records: list[Record]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump([r.to_json() for r in records], f, indent=1)

@@ -1,0 +1,61 @@
+"""The compact table printed after a benchmark run: each provider's median, and onca's speedup."""
+
+from __future__ import annotations
+
+import math
+
+from onca.bench.records import Record
+from onca.bench.spec import PROVIDERS
+
+SHORT = {"onca": "onca", "torch": "torch", "torch_compile": "compile", "liger": "liger"}
+
+
+def _cell(point, unit) -> str:
+    if point is None:
+        return "-"
+    if point.status != "ok":
+        return point.status
+    return f"{point.y50:.3f}" if unit == "ms" else f"{point.y50:.0f}"
+
+
+def table(records: list[Record], metric: str = "speed") -> str:
+    """One block per (op, sweep axis, mode): rows are x values, columns providers, then ratios.
+
+    For speed the ratio is other / onca (above 1: onca is faster); for memory it is onca / other
+    (below 1: onca uses less).
+    """
+    blocks = []
+    groups: dict[tuple, dict[str, Record]] = {}
+    for r in records:
+        if r.metric_name == metric:
+            groups.setdefault((r.kernel_name, r.sweep, r.x_name, r.kernel_operation_mode), {})[r.kernel_provider] = r
+    for (op, sweep, x_name, mode), by_provider in groups.items():
+        providers = [p for p in PROVIDERS if p in by_provider]
+        others = [p for p in providers if p != "onca"]
+        unit = next(iter(by_provider.values())).metric_unit
+        head = [x_name] + [f"{SHORT[p]} {unit}" for p in providers]
+        if "onca" in by_provider:
+            head += [f"vs {SHORT[p]}" for p in others]
+        rows = []
+        xs = [pt.x for pt in next(iter(by_provider.values())).points]
+        for i, x in enumerate(xs):
+            pts = {p: by_provider[p].points[i] if i < len(by_provider[p].points) else None for p in providers}
+            row = [str(x)] + [_cell(pts[p], unit) for p in providers]
+            if "onca" in by_provider:
+                row += [_ratio(pts["onca"], pts[p], metric) for p in others]
+            rows.append(row)
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        lines = [f"{op} · {sweep} over {x_name} · {mode} · {metric}"]
+        lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _ratio(onca, other, metric) -> str:
+    if onca is None or other is None or onca.status != "ok" or other.status != "ok":
+        return "-"
+    if not (onca.y50 > 0 and other.y50 > 0) or math.isnan(onca.y50) or math.isnan(other.y50):
+        return "-"
+    value = other.y50 / onca.y50 if metric == "speed" else onca.y50 / other.y50
+    return f"{value:.2f}x"

@@ -1,0 +1,249 @@
+"""``onca compare``: train the same model from the same seed with and without Onca (and, when it is
+installed, with liger-kernel), and report throughput, step time, peak memory and every step's loss
+side by side.
+
+The model is built from its config with random weights (no download); a local checkpoint path
+works too. Each variant starts from identical weights and sees identical batches, so the loss
+curves are directly comparable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from onca.integrations.transformers import presets
+
+VARIANTS = ("huggingface", "onca", "liger")
+
+
+@dataclass
+class Settings:
+    model: str = "qwen3"
+    preset: str = "tiny"
+    batch: int = 2
+    seq: int = 64
+    steps: int = 8
+    dtype: torch.dtype = torch.float32
+    lr: float = 1e-4
+    gradient_checkpointing: bool = False
+    layers: int | None = None
+    warmup_steps: int = 2
+    seed: int = 0
+    device: str = "cpu"
+    variants: tuple[str, ...] = VARIANTS
+
+
+@dataclass
+class RunResult:
+    variant: str
+    losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    peak_mb: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def timed_ms(self, warmup: int) -> list[float]:
+        return self.step_ms[warmup:] if len(self.step_ms) > warmup else self.step_ms
+
+    def tokens_per_s(self, tokens_per_step: int, warmup: int) -> float:
+        steps = self.timed_ms(warmup)
+        return tokens_per_step * len(steps) / (sum(steps) / 1e3) if steps else math.nan
+
+
+def defaults_for(device: str) -> Settings:
+    """With no arguments: a tiny model on the CPU (about a minute), a Qwen3-0.6B shape on a GPU."""
+    if device == "cuda":
+        return Settings(model="qwen3", preset="0.6b", batch=4, seq=2048, steps=20, dtype=torch.bfloat16,
+                        gradient_checkpointing=True, warmup_steps=3, device=device)
+    return Settings(device=device, steps=16, lr=1e-3)
+
+
+def build_config(settings: Settings):
+    if os.path.isdir(settings.model):
+        import transformers
+
+        return transformers.AutoConfig.from_pretrained(settings.model)
+    if settings.preset == "tiny":
+        return presets.tiny_config(settings.model)
+    return presets.registry_config(settings.model, settings.preset, settings.layers)
+
+
+def _build_model(settings: Settings, config):
+    import transformers
+
+    torch.manual_seed(settings.seed)
+    if os.path.isdir(settings.model):
+        model = transformers.AutoModelForCausalLM.from_pretrained(settings.model, dtype=settings.dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=settings.dtype)
+    return model.to(settings.device)
+
+
+def _patch(variant: str, model):
+    if variant == "onca":
+        import onca
+
+        onca.apply(model)
+    elif variant == "liger":
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+        apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
+        if apply_fn is None:
+            raise ImportError(f"liger-kernel has no patch for {model.config.model_type}")
+        apply_fn(model=model)
+
+
+def _unpatch(variant: str, model):
+    if variant == "onca":
+        import onca
+
+        onca.unapply(model)
+
+
+def batches(settings: Settings, vocab_size: int) -> list[torch.Tensor]:
+    """A fixed token stream, the same for every variant: four random batches cycled, so that the
+    loss falls visibly as they are learnt (speed does not depend on the tokens)."""
+    g = torch.Generator().manual_seed(settings.seed + 1)
+    distinct = [torch.randint(0, vocab_size, (settings.batch, settings.seq), generator=g)
+                for _ in range(min(4, settings.steps))]
+    return [distinct[i % len(distinct)] for i in range(settings.steps)]
+
+
+def train(variant: str, settings: Settings, config, data, progress=None) -> RunResult:
+    result = RunResult(variant)
+    cuda = settings.device == "cuda"
+    model = optimizer = None
+    try:
+        model = _build_model(settings, config)
+        _patch(variant, model)
+        if settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, **({"fused": True} if cuda else {}))
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        for tokens in data:
+            tokens = tokens.to(settings.device)
+            _sync(cuda)
+            start = time.perf_counter()
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(cuda)
+            result.step_ms.append((time.perf_counter() - start) * 1e3)
+            result.losses.append(loss.item())
+            if progress is not None:
+                progress.update(1)
+        if cuda:
+            result.peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    except ImportError as exc:
+        result.error = f"not installed ({exc})"
+    except torch.OutOfMemoryError as exc:
+        result.error = f"out of memory: {str(exc).splitlines()[0][:120]}"
+    finally:
+        if model is not None:
+            _unpatch(variant, model)
+        del model, optimizer
+        if cuda:
+            torch.cuda.empty_cache()
+    return result
+
+
+def _sync(cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def run(settings: Settings, show_progress: bool = True) -> tuple[list[RunResult], object]:
+    config = build_config(settings)
+    data = batches(settings, config.vocab_size)
+    bar = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=settings.steps * len(settings.variants), desc="onca compare", unit="step", leave=False)
+    results = []
+    for variant in settings.variants:  # liger last: its patches are process-wide
+        if bar is not None:
+            bar.set_postfix_str(variant)
+        results.append(train(variant, settings, config, data, bar))
+    if bar is not None:
+        bar.close()
+    return results, config
+
+
+def report(results: list[RunResult], settings: Settings, config) -> str:
+    tokens = settings.batch * settings.seq
+    base = results[0]
+    lines = [
+        f"{config.model_type} ({settings.preset if not os.path.isdir(settings.model) else settings.model}): "
+        f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}; "
+        f"batch {settings.batch} x seq {settings.seq}, {str(settings.dtype).replace('torch.', '')}, AdamW, "
+        f"gradient checkpointing {'on' if settings.gradient_checkpointing else 'off'}, {settings.device}",
+        "",
+    ]
+    head = f"{'':14s}{'tokens/s':>12s}{'step ms':>10s}{'peak MB':>10s}{'final loss':>12s}{'speed':>8s}{'memory':>8s}"
+    lines.append(head)
+    for r in results:
+        if not r.ok:
+            lines.append(f"{r.variant:14s}{r.error}")
+            continue
+        tps = r.tokens_per_s(tokens, settings.warmup_steps)
+        step = sum(r.timed_ms(settings.warmup_steps)) / max(1, len(r.timed_ms(settings.warmup_steps)))
+        peak = f"{r.peak_mb:.0f}" if r.peak_mb is not None else "n/a"
+        speed = f"{tps / base.tokens_per_s(tokens, settings.warmup_steps):7.2f}x" if base.ok else "      -"
+        mem = f"{r.peak_mb / base.peak_mb:7.2f}x" if (r.peak_mb and base.ok and base.peak_mb) else "    n/a"
+        lines.append(f"{r.variant:14s}{tps:12.0f}{step:10.1f}{peak:>10s}{r.losses[-1]:12.4f}{speed}{mem}")
+    lines += ["", "loss per step:", f"{'step':>6s}" + "".join(f"{r.variant:>14s}" for r in results if r.ok)]
+    ok = [r for r in results if r.ok]
+    for i in range(settings.steps):
+        lines.append(f"{i:6d}" + "".join(f"{r.losses[i]:14.4f}" for r in ok))
+    if len(ok) > 1:
+        worst = max(abs(a - b) for r in ok[1:] for a, b in zip(r.losses, ok[0].losses))
+        lines.append(f"largest loss difference from {ok[0].variant}: {worst:.2e}")
+    if settings.device != "cuda":
+        lines.append("(CPU: kernels run under Triton's interpreter; timings here say nothing about GPU speed)")
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], settings: Settings, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.ok]
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    colors = {"huggingface": "#8d99ae", "onca": "#d1495b", "liger": "#edae49"}
+    for r in ok:
+        ax_loss.plot(range(len(r.losses)), r.losses, label=r.variant, color=colors.get(r.variant), lw=1.8,
+                     ls="--" if r.variant != "huggingface" else "-")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("training loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    mems = [r for r in ok if r.peak_mb is not None]
+    if mems:
+        ax_mem.bar([r.variant for r in mems], [r.peak_mb / 1024 for r in mems],
+                   color=[colors.get(r.variant) for r in mems])
+        ax_mem.set_ylabel("peak memory (GB)")
+        ax_mem.set_title("peak memory")
+    else:
+        ax_mem.text(0.5, 0.5, "no memory counters on the CPU", ha="center", va="center")
+        ax_mem.set_axis_off()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

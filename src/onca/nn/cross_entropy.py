@@ -1,0 +1,61 @@
+"""``onca.nn.CrossEntropyLoss``: a drop-in for ``torch.nn.CrossEntropyLoss`` with z-loss and soft-capping."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from onca.ops.cross_entropy import cross_entropy, validate_options
+
+
+def _legacy_reduction(size_average, reduce, reduction: str) -> str:
+    """torch's deprecated ``size_average`` / ``reduce`` arguments, mapped as torch maps them."""
+    if size_average is None and reduce is None:
+        return reduction
+    from torch.nn import _reduction
+
+    return _reduction.legacy_get_string(size_average, reduce, emit_warning=True)
+
+
+class CrossEntropyLoss(nn.Module):
+    """Drop-in for ``torch.nn.CrossEntropyLoss`` over ``(..., vocab)`` logits and class-index targets.
+
+    Same constructor as torch's (``weight`` must be None: per-class weights are not supported),
+    plus ``lse_square_scale`` (z-loss), ``softcap`` (Gemma 2 logit soft-capping),
+    ``return_z_loss`` (``forward`` returns ``(loss, z_loss)``) and ``in_place_backward`` (the
+    gradient is written over the logits in the forward pass; the logits are destroyed).
+    The vocabulary is the last dimension (torch puts classes at dim 1 for inputs of more than two
+    dimensions); with 2-D ``(N, C)`` inputs the two agree. All ignored under ``reduction="mean"``
+    gives 0.0, where torch gives NaN.
+    """
+
+    def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean", label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
+                 softcap: float | None = None, return_z_loss: bool = False, in_place_backward: bool = False):
+        super().__init__()
+        if weight is not None:
+            raise ValueError("weight (per-class loss weights) is not supported by onca.nn.CrossEntropyLoss; "
+                             "pass weight=None")
+        reduction = _legacy_reduction(size_average, reduce, reduction)
+        validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.lse_square_scale = lse_square_scale
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.in_place_backward = in_place_backward
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
+        return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.reduction,
+                             self.lse_square_scale, self.softcap, self.return_z_loss, self.in_place_backward)
+
+    def extra_repr(self) -> str:
+        extras = f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}"
+        if self.lse_square_scale:
+            extras += f", lse_square_scale={self.lse_square_scale}"
+        if self.softcap is not None:
+            extras += f", softcap={self.softcap}"
+        if self.in_place_backward:
+            extras += ", in_place_backward=True"
+        return extras

@@ -1,0 +1,466 @@
+"""Attention residuals: softmax attention over depth (Kimi's AttnRes).
+
+For ``V`` of shape ``[N, ..., D]`` (the outputs of ``N`` earlier layers, e.g. ``[N, B, T, D]``) and
+learned vectors ``w_query``, ``w_norm`` of shape ``[D]``, per position (row) ``r`` and layer ``n``:
+
+    K[n, r]     = V[n, r] * rstd[n, r] * w_norm,   rstd = 1 / sqrt(mean(V[n, r] ** 2) + eps)
+    score[n, r] = <w_query, K[n, r]>  =  rstd[n, r] * <u, V[n, r]>,   u = w_query * w_norm
+    alpha       = softmax(score, dim=0)        (over the N layers)
+    h[r]        = sum_n alpha[n, r] * V[n, r]
+
+Everything is computed in fp32 (no intermediate rounding; liger-kernel's kernel rounds ``K`` to the
+weight dtype before the dot product, which only moves the scores by that rounding); ``h`` is stored
+in ``V``'s dtype.
+
+Backward, with ``g = dL/dh``, ``p_n = <u, V[n]>`` and ``c = sum_n alpha_n <g, V[n]>``:
+
+    d score_n = alpha_n * (<g, V[n]> - c)
+    dV[n]     = alpha_n * g + d score_n * rstd_n * (u - p_n * rstd_n ** 2 / D * V[n])
+    dw_query  = w_norm  * G,   dw_norm = w_query * G,   G = sum_{r, n} d score_n * rstd_n * V[n, r]
+
+Kernels. Rows are the ``R = prod(...)`` positions, columns the hidden size ``D``; the plans come from
+``plan_rows(R, D)``, with the live tiles below. Each program streams the ``N`` layer slabs of its
+row block one at a time, so only one slab (and the next one's load, issued before the current one
+is used, in every sweep that reads ``V`` from memory) is on chip, and any ``N`` works.
+
+- Forward, single pass (a whole row fits): an online softmax over the slabs (running max, running
+  sum, running weighted sum), so ``V`` is read exactly once.
+- Backward, single pass: no ``dV[n]`` can be written before ``c``, which needs every slab. A first
+  sweep over the row block's slabs collects each slab's sum of squares, ``p_n`` and ``<g, V[n]>``
+  (``[rows, N]`` vectors); a second sweep writes ``dV``. The second sweep re-reads slabs that the
+  program read a moment before (``N * rows * D`` elements per program), so on a GPU they come from
+  the L2 cache and memory sees ``V`` about once. (Using the saved output instead, ``c = <g, h>``,
+  would save that sweep but loses precision: ``h`` is rounded to bf16, and the error of ``c`` grows
+  with ``sqrt(D)``.)
+- D-tiled (a row does not fit: large ``D``): the same two sweeps, each over ``D``'s column tiles; the
+  forward's first sweep collects the scores, its second writes ``h``.
+
+``G`` is reduced deterministically: each program of the (persistent) backward grid sums its rows into
+its own row of an fp32 partial buffer, summed once at the end. Saved for backward: ``V`` and the two
+weights only; ``rstd``, the scores and ``alpha`` are recomputed (the backward reads ``V`` anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from onca.device import DeviceProfile
+from onca.ops._validate import as_rows, check_float, check_nonempty, check_same_device, check_tensor
+from onca.tiling import RowPlan, next_power_of_2, plan_rows
+
+__all__ = ["attn_res", "AttnResFunction", "plan"]
+
+# Live tiles of each kernel (tiles in V's dtype, fp32 tiles), as the planner counts them, before
+# their address tiles: the element offsets of the slab loads (forward) and of the slab loads and dV
+# stores (backward) stay live across the loop over slabs, one fp32-sized tile each when they are
+# int32, two when int64 (see _row_index). The backward's per-row state (six [rows, N] fp32
+# vectors) counts as one fp32 tile, which holds it for rows of at least 6 * N columns; the D-tiled
+# forward's state sits in the half of the budget that the planner keeps back for two-pass kernels.
+FORWARD_TILES = dict(live_tiles=3, fp32_tiles=4)  # v, next v, h; v, acc, u, a product in fp32
+BACKWARD_TILES = dict(live_tiles=4, fp32_tiles=6)  # v, next v, dh, dv; v, dh, dv, u, G, state in fp32
+ADDRESS_TILES = {"forward": 1, "backward": 2}
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _row_index(rows, OFFSETS_64: tl.constexpr):
+    """Row numbers as a column for address arithmetic: int32 where every offset inside one slab
+    fits (its addresses then take half the registers), int64 where it may not. Slabs are reached
+    by advancing a 64-bit pointer, so only the offset inside a slab matters."""
+    if OFFSETS_64:
+        return rows.to(tl.int64)[:, None]
+    else:
+        return rows[:, None]
+
+
+@triton.jit
+def _weights(wq_ptr, wn_ptr, cols, col_mask):
+    """``u = w_query * w_norm`` over ``cols``, in fp32."""
+    return (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _score(v, u, n_cols, eps):
+    """rstd, <u, v> and the score of each row of a whole-row fp32 tile ``v``."""
+    rstd = tl.rsqrt(tl.sum(v * v, axis=1) / n_cols + eps)
+    p = tl.sum(v * u[None, :], axis=1)
+    return rstd, p, rstd * p
+
+
+@triton.jit
+def _attn_res_forward_kernel(
+    v_ptr, wq_ptr, wn_ptr, h_ptr,
+    n_slabs, n_rows, n_cols, slab_stride, v_row_stride, h_row_stride, eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+    N_PAD: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    if COL_TILES == 1:
+        col_mask = col_offsets < n_cols
+        u = (tl.load(wq_ptr + col_offsets, mask=col_mask, other=0.0).to(tl.float32)
+             * tl.load(wn_ptr + col_offsets, mask=col_mask, other=0.0).to(tl.float32))
+        for row_block in tl.range(pid, n_row_blocks, n_programs):
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            row_idx = _row_index(rows, OFFSETS_64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            v_offs = row_idx * v_row_stride + col_offsets[None, :]
+            # Online softmax over the slabs: running max m, running sum l, running weighted sum acc.
+            m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            v_next = tl.load(v_ptr + v_offs, mask=mask, other=0.0)
+            next_ptr = v_ptr + slab_stride
+            for n in range(n_slabs):
+                v = v_next.to(tl.float32)
+                # (A tensor, not a scalar condition: the interpreter's masks must be arrays.)
+                more = (tl.zeros([BLOCK_ROWS], dtype=tl.int32) + n + 1) < n_slabs
+                v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
+                next_ptr += slab_stride
+                rstd, p, s = _score(v, u, n_cols, eps)
+                m_new = tl.maximum(m, s)
+                rescale = tl.exp(m - m_new)
+                e = tl.exp(s - m_new)
+                l = l * rescale + e
+                acc = acc * rescale[:, None] + e[:, None] * v
+                m = m_new
+            h = acc / l[:, None]
+            tl.store(h_ptr + row_idx * h_row_stride + col_offsets[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    else:
+        slab_ids = tl.arange(0, N_PAD)
+        for row_block in tl.range(pid, n_row_blocks, n_programs):
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            row_idx = _row_index(rows, OFFSETS_64)
+            sum_sq = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            dot = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                u = (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                     * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
+                v_offs = row_idx * v_row_stride + cols[None, :]
+                v_next = tl.load(v_ptr + v_offs, mask=mask, other=0.0)
+                next_ptr = v_ptr + slab_stride
+                for n in range(n_slabs):
+                    v = v_next.to(tl.float32)
+                    more = (tl.zeros([BLOCK_ROWS], dtype=tl.int32) + n + 1) < n_slabs
+                    v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
+                    next_ptr += slab_stride
+                    sel = (slab_ids == n)[None, :]
+                    sum_sq = tl.where(sel, sum_sq + tl.sum(v * v, axis=1)[:, None], sum_sq)
+                    dot = tl.where(sel, dot + tl.sum(v * u[None, :], axis=1)[:, None], dot)
+            s = tl.rsqrt(sum_sq / n_cols + eps) * dot
+            s = tl.where((slab_ids < n_slabs)[None, :], s, float("-inf"))
+            m = tl.max(s, axis=1)
+            e = tl.exp(s - m[:, None])
+            l = tl.sum(e, axis=1)
+            alpha = e / l[:, None]
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                v_offs = row_idx * v_row_stride + cols[None, :]
+                acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+                slab_ptr = v_ptr
+                for n in range(n_slabs):
+                    v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
+                    slab_ptr += slab_stride
+                    a = tl.sum(tl.where((slab_ids == n)[None, :], alpha, 0.0), axis=1)
+                    acc += a[:, None] * v
+                tl.store(h_ptr + row_idx * h_row_stride + cols[None, :], acc.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slab_softmax_grads(sum_sq, dot, d_alpha, row_mask, slab_ids, n_slabs, n_cols, eps):
+    """From each (row, slab)'s sum of squares, ``<u, v>`` and ``<dh, v>`` ([rows, N_PAD] fp32):
+    alpha, and the coefficients of ``u`` and of ``v`` in ``dV`` (``dr``, ``coef``)."""
+    slab_valid = (slab_ids < n_slabs)[None, :]
+    rstd = tl.rsqrt(sum_sq / n_cols + eps)
+    s = tl.where(slab_valid, rstd * dot, float("-inf"))
+    e = tl.where(slab_valid, tl.exp(s - tl.max(s, axis=1)[:, None]), 0.0)
+    alpha = e / tl.sum(e, axis=1)[:, None]
+    c = tl.sum(alpha * d_alpha, axis=1)
+    # Rows past the end are zeros: keep them out of G even where rstd is infinite (eps = 0).
+    valid = row_mask[:, None] & slab_valid
+    dr = tl.where(valid, alpha * (d_alpha - c[:, None]) * rstd, 0.0)
+    coef = tl.where(valid, dr * dot * rstd * rstd / n_cols, 0.0)
+    return alpha, dr, coef
+
+
+@triton.jit
+def _pick(x, sel):
+    """Column ``n`` of a [rows, N_PAD] tensor, as a [rows] vector (``sel`` marks it)."""
+    return tl.sum(tl.where(sel, x, 0.0), axis=1)
+
+
+@triton.jit
+def _attn_res_backward_kernel(
+    v_ptr, wq_ptr, wn_ptr, dh_ptr, dv_ptr, g_partial_ptr,
+    n_slabs, n_rows, n_cols, slab_stride, v_row_stride, dh_row_stride, dv_slab_stride, dv_row_stride, eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+    N_PAD: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
+    SAME_ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    slab_ids = tl.arange(0, N_PAD)
+    # This program's own row of the partial-sum buffer for G: no other program writes it.
+    g_row = g_partial_ptr + pid.to(tl.int64) * n_cols
+    if COL_TILES == 1:
+        col_mask = col_offsets < n_cols
+        g_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        for row_block in tl.range(pid, n_row_blocks, n_programs):
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            row_idx = _row_index(rows, OFFSETS_64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            dh = tl.load(dh_ptr + row_idx * dh_row_stride + col_offsets[None, :], mask=mask, other=0.0)
+            dh = dh.to(tl.float32)
+            v_offs = row_idx * v_row_stride + col_offsets[None, :]
+            if SAME_ROWS:  # dV's rows are laid out as V's: one offset tile serves both
+                dv_offs = v_offs
+            else:
+                dv_offs = row_idx * dv_row_stride + col_offsets[None, :]
+            # Sweep 1: each slab's statistics (the next slab's load is issued before this one is used).
+            sum_sq = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            dot = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            d_alpha = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            v_next = tl.load(v_ptr + v_offs, mask=mask, other=0.0)
+            next_ptr = v_ptr + slab_stride
+            for n in range(n_slabs):
+                v = v_next.to(tl.float32)
+                # (A tensor, not a scalar condition: the interpreter's masks must be arrays.)
+                more = (tl.zeros([BLOCK_ROWS], dtype=tl.int32) + n + 1) < n_slabs
+                v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
+                next_ptr += slab_stride
+                sel = (slab_ids == n)[None, :]
+                u = _weights(wq_ptr, wn_ptr, col_offsets, col_mask)
+                sum_sq = tl.where(sel, tl.sum(v * v, axis=1)[:, None], sum_sq)
+                dot = tl.where(sel, tl.sum(v * u[None, :], axis=1)[:, None], dot)
+                d_alpha = tl.where(sel, tl.sum(dh * v, axis=1)[:, None], d_alpha)
+            alpha, dr_all, coef_all = _slab_softmax_grads(sum_sq, dot, d_alpha, row_mask, slab_ids, n_slabs,
+                                                          n_cols, eps)
+            # Sweep 2: dV. These slabs were read just now, so they come back from the L2 cache.
+            slab_ptr = v_ptr
+            dv_slab = dv_ptr
+            for n in range(n_slabs):
+                v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
+                slab_ptr += slab_stride
+                sel = (slab_ids == n)[None, :]
+                dr = _pick(dr_all, sel)
+                u = _weights(wq_ptr, wn_ptr, col_offsets, col_mask)
+                dv = (_pick(alpha, sel)[:, None] * dh + dr[:, None] * u[None, :]
+                      - _pick(coef_all, sel)[:, None] * v)
+                tl.store(dv_slab + dv_offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+                dv_slab += dv_slab_stride
+                g_acc += tl.sum(dr[:, None] * v, axis=0)
+        tl.store(g_row + col_offsets, g_acc, mask=col_mask)
+    else:
+        for row_block in tl.range(pid, n_row_blocks, n_programs):
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            row_idx = _row_index(rows, OFFSETS_64)
+            sum_sq = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            dot = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            d_alpha = tl.zeros([BLOCK_ROWS, N_PAD], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                u = (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                     * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
+                dh = tl.load(dh_ptr + row_idx * dh_row_stride + cols[None, :], mask=mask, other=0.0)
+                dh = dh.to(tl.float32)
+                v_offs = row_idx * v_row_stride + cols[None, :]
+                v_next = tl.load(v_ptr + v_offs, mask=mask, other=0.0)
+                next_ptr = v_ptr + slab_stride
+                for n in range(n_slabs):
+                    v = v_next.to(tl.float32)
+                    more = (tl.zeros([BLOCK_ROWS], dtype=tl.int32) + n + 1) < n_slabs
+                    v_next = tl.load(next_ptr + v_offs, mask=mask & more[:, None], other=0.0)
+                    next_ptr += slab_stride
+                    sel = (slab_ids == n)[None, :]
+                    sum_sq = tl.where(sel, sum_sq + tl.sum(v * v, axis=1)[:, None], sum_sq)
+                    dot = tl.where(sel, dot + tl.sum(v * u[None, :], axis=1)[:, None], dot)
+                    d_alpha = tl.where(sel, d_alpha + tl.sum(dh * v, axis=1)[:, None], d_alpha)
+            alpha, dr_all, coef_all = _slab_softmax_grads(sum_sq, dot, d_alpha, row_mask, slab_ids, n_slabs,
+                                                          n_cols, eps)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                u = (tl.load(wq_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                     * tl.load(wn_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
+                dh = tl.load(dh_ptr + row_idx * dh_row_stride + cols[None, :], mask=mask, other=0.0)
+                dh = dh.to(tl.float32)
+                v_offs = row_idx * v_row_stride + cols[None, :]
+                if SAME_ROWS:
+                    dv_offs = v_offs
+                else:
+                    dv_offs = row_idx * dv_row_stride + cols[None, :]
+                g_tile = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+                slab_ptr = v_ptr
+                dv_slab = dv_ptr
+                for n in range(n_slabs):
+                    v = tl.load(slab_ptr + v_offs, mask=mask, other=0.0).to(tl.float32)
+                    slab_ptr += slab_stride
+                    sel = (slab_ids == n)[None, :]
+                    dr = _pick(dr_all, sel)
+                    dv = (_pick(alpha, sel)[:, None] * dh + dr[:, None] * u[None, :]
+                          - _pick(coef_all, sel)[:, None] * v)
+                    tl.store(dv_slab + dv_offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+                    dv_slab += dv_slab_stride
+                    g_tile += tl.sum(dr[:, None] * v, axis=0)
+                partial = tl.load(g_row + cols, mask=col_mask, other=0.0)
+                tl.store(g_row + cols, partial + g_tile, mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------- launchers
+
+
+def _rows_cols(shape) -> tuple[int, int, int]:
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:
+        raise ValueError(f"attn_res plans take V's shape (N, ..., D), got {shape}")
+    rows = 1
+    for s in shape[1:-1]:
+        rows *= s
+    return shape[0], rows, shape[-1]
+
+
+def _plans(rows: int, cols: int, dtype: torch.dtype, offsets_64: bool, profile=None) -> dict[str, RowPlan]:
+    per_address = 2 if offsets_64 else 1
+    plans = {}
+    for kind, tiles in (("forward", FORWARD_TILES), ("backward", BACKWARD_TILES)):
+        fp32_tiles = tiles["fp32_tiles"] + ADDRESS_TILES[kind] * per_address
+        # The backward reduces G across rows into one partial row per program: a persistent grid.
+        plans[kind] = plan_rows(rows, cols, dtype, tiles["live_tiles"], profile, fp32_tiles=fp32_tiles,
+                                persistent=True if kind == "backward" else None)
+    return plans
+
+
+def _needs_offsets_64(rows: int, cols: int, *row_strides: int) -> bool:
+    """Whether an element offset inside one slab (row * stride + column) can pass int32."""
+    return any((rows - 1) * stride + cols > 2**31 - 1 for stride in row_strides)
+
+
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
+    """The forward and backward plans for a contiguous ``V`` of ``shape`` (``(N, ..., D)``)."""
+    _, rows, cols = _rows_cols(shape)
+    return _plans(rows, cols, dtype, _needs_offsets_64(rows, cols, cols), profile)
+
+
+def _n_pad(n_slabs: int, p: RowPlan, backward: bool) -> int:
+    # Per-slab vectors: the backward always keeps them, the forward only when it tiles D.
+    return next_power_of_2(n_slabs) if backward or not p.single_pass else 1
+
+
+def attn_res_forward(v3: torch.Tensor, w_query: torch.Tensor, w_norm: torch.Tensor, eps: float, out_shape):
+    """``h`` allocated in ``out_shape`` (not a view: callers may modify it in place)."""
+    n_slabs, rows, cols = v3.shape
+    offsets_64 = _needs_offsets_64(rows, cols, v3.stride(1), cols)
+    p = _plans(rows, cols, v3.dtype, offsets_64)["forward"]
+    h = torch.empty(out_shape, dtype=v3.dtype, device=v3.device)
+    h2d = h.view(rows, cols)
+    _attn_res_forward_kernel[(p.grid,)](
+        v3, w_query, w_norm, h2d,
+        n_slabs, rows, cols, v3.stride(0), v3.stride(1), h2d.stride(0), eps,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, N_PAD=_n_pad(n_slabs, p, False),
+        OFFSETS_64=offsets_64, num_warps=p.num_warps,
+    )
+    return h
+
+
+def attn_res_backward(dh2d, v3, w_query, w_norm, eps: float):
+    n_slabs, rows, cols = v3.shape
+    offsets_64 = _needs_offsets_64(rows, cols, v3.stride(1), dh2d.stride(0), cols)
+    p = _plans(rows, cols, v3.dtype, offsets_64)["backward"]
+    dv = torch.empty((n_slabs, rows, cols), dtype=v3.dtype, device=v3.device)
+    # Zeroed because the D-tiled path accumulates into it; the single-pass path overwrites it.
+    g_partial = torch.zeros((p.grid, cols), dtype=torch.float32, device=v3.device)
+    _attn_res_backward_kernel[(p.grid,)](
+        v3, w_query, w_norm, dh2d, dv, g_partial,
+        n_slabs, rows, cols, v3.stride(0), v3.stride(1), dh2d.stride(0), dv.stride(0), dv.stride(1), eps,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, N_PAD=_n_pad(n_slabs, p, True),
+        OFFSETS_64=offsets_64, SAME_ROWS=v3.stride(1) == dv.stride(1), num_warps=p.num_warps,
+    )
+    g = g_partial.sum(dim=0)
+    dw_query = (w_norm.to(torch.float32) * g).to(w_query.dtype)
+    dw_norm = (w_query.to(torch.float32) * g).to(w_norm.dtype)
+    return dv, dw_query, dw_norm
+
+
+def _as_slabs(v: torch.Tensor) -> torch.Tensor:
+    """``V`` as ``(N, R, D)`` with unit column stride, copying only if its layout needs it."""
+    n_slabs, cols = v.shape[0], v.shape[-1]
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    try:
+        return v.view(n_slabs, -1, cols)
+    except RuntimeError:  # the middle dimensions do not merge into one row stride
+        return v.contiguous().view(n_slabs, -1, cols)
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+
+class AttnResFunction(torch.autograd.Function):
+    """Autograd wrapper. Saves ``V`` (as the ``(N, R, D)`` view the kernels use), ``w_query`` and
+    ``w_norm``; the backward recomputes everything else."""
+
+    @staticmethod
+    def forward(ctx, v, w_query, w_norm, eps):
+        v3 = _as_slabs(v)
+        w_query, w_norm = w_query.contiguous(), w_norm.contiguous()
+        h = attn_res_forward(v3, w_query, w_norm, float(eps), v.shape[1:])
+        ctx.save_for_backward(v3, w_query, w_norm)
+        ctx.eps, ctx.v_shape = float(eps), v.shape
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        v3, w_query, w_norm = ctx.saved_tensors
+        dh2d = as_rows(dh.reshape(-1, dh.shape[-1]))
+        dv, dw_query, dw_norm = attn_res_backward(dh2d, v3, w_query, w_norm, ctx.eps)
+        return dv.view(ctx.v_shape), dw_query, dw_norm, None
+
+
+def _validate(v, w_query, w_norm, eps) -> None:
+    check_float(v, "V")
+    check_float(w_query, "w_query")
+    check_float(w_norm, "w_norm")
+    if v.dim() < 2:
+        raise ValueError(f"V must have shape (N, ..., D) with at least 2 dimensions, got shape {tuple(v.shape)}")
+    check_nonempty(v, "V")
+    hidden = v.shape[-1]
+    for w, name in ((w_query, "w_query"), (w_norm, "w_norm")):
+        if w.dim() != 1 or w.shape[0] != hidden:
+            raise ValueError(f"{name} must have shape ({hidden},) (V's hidden size), got {tuple(w.shape)}")
+        check_same_device(w, name, v, "V")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+
+
+def attn_res(v, w_query, w_norm, eps=1e-6):
+    """Softmax attention over the first dimension of ``V`` (``(N, ..., D)``); returns ``(..., D)``.
+    See the module docstring."""
+    check_tensor(v, "V")
+    _validate(v, w_query, w_norm, eps)
+    return AttnResFunction.apply(v, w_query, w_norm, eps)

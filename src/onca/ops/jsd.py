@@ -1,0 +1,427 @@
+"""Generalised Jensen-Shannon divergence between a student and a teacher distribution.
+
+Arguments follow liger-kernel's ``LigerJSDFunction`` (and PyTorch's losses): ``input`` is the
+student's log-probabilities ``log q``, ``target`` the teacher's ``log p``, both ``(..., vocab)``.
+With ``M = beta * p + (1 - beta) * q``, per token::
+
+    beta in (0, 1):  JSD_beta = beta * KL(p || M) + (1 - beta) * KL(q || M)
+    beta == 0:       KL(p || q)   (forward KL: torch's kl_div(input, target, log_target=True))
+    beta == 1:       KL(q || p)   (reverse KL: torch's kl_div(target, input, log_target=True))
+
+(the two limits are defined separately, as liger-kernel and TRL's GKD loss do: the formula itself
+would give 0 there). Terms whose probability is 0 contribute 0 (``0 * log 0 = 0``).
+
+Tokens whose ``labels`` entry equals ``ignore_index`` contribute nothing. ``reduction``:
+``"mean"`` (default, liger's semantics) divides the sum over tokens by the number of tokens that
+are not ignored (a batchmean over tokens; 0, not NaN, when every token is ignored); ``"sum"``;
+``"none"`` gives one loss per token (shape ``input.shape[:-1]``, 0 for ignored tokens).
+
+Temperature: the divergence is between ``q = softmax(input / T)`` and ``p = softmax(target / T)``.
+Because a log-probability differs from its logits by a per-row constant, which the softmax removes,
+this is the same whether the inputs are logits or log-probabilities, so for ``T != 1`` either may
+be passed. With ``T == 1`` the inputs are used as the log-probabilities they are declared to be,
+without renormalising (liger's semantics: one pass, and the gradient is w.r.t. the log-probability
+inputs as given); ``from_logits=True`` renormalises at ``T == 1`` too, for raw logits. When the
+kernel normalises, the gradient is taken through that normalisation (w.r.t. the raw inputs).
+
+The gradient is w.r.t. ``input`` only; the teacher is treated as a constant (``target`` gets no
+gradient, as in liger-kernel). For ``mean``/``sum`` it is computed by the forward kernel (the
+loss is last in the graph, so this saves reading both tensors again) and saved; the backward pass
+returns it, scaled only when the incoming gradient is not exactly 1. For ``none`` the backward
+kernel recomputes it with each token's incoming gradient, from the saved ``input``/``target``.
+
+Rows are tiled over the vocabulary with the plan's width. Without normalisation every element is
+independent: one pass. With it, a row that does not fit one tile takes three passes: the two
+log-sum-exps (online), then the loss and the sum of the per-element gradients, then the gradient
+through the log-softmax. Reductions are deterministic (one row sum per row, added up after).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from onca.device import DeviceProfile, get_profile
+from onca.ops._validate import (
+    as_rows,
+    check_float,
+    check_index,
+    check_nonempty,
+    check_same_device,
+    check_tensor,
+)
+from onca.tiling import RowPlan, plan_rows
+
+__all__ = [
+    "jsd", "JSDFunction", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "check_beta",
+    "check_temperature",
+]
+
+REDUCTIONS = ("none", "sum", "mean")
+
+# Live tiles (input dtype; fp32): input, target and dinput; their fp32 forms, the mixture's
+# log-probability, the two probabilities and the per-element loss and gradient.
+TILES = dict(live_tiles=3, fp32_tiles=6)
+# On a GPU registers bound the tile: the normalising path keeps ~15 fp32 values per element alive
+# (sm_90: ~122 registers at 8 elements per thread, 254 at 16, spills at 32), so its tiles hold at
+# most this many elements per thread of the largest program; every launch gets at least the warps
+# that give its tile this many elements per thread (the one-pass path: 40-110 registers).
+ELEMENTS_PER_THREAD = 8
+
+_FORWARD_KL, _REVERSE_KL, _GENERAL = 0, 1, 2
+_NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _divergence_terms(x, y, beta, MODE: tl.constexpr):
+    """Elementwise loss and its derivative w.r.t. ``x``, for student ``x = log q`` and teacher
+    ``y = log p`` (fp32, ``-inf`` allowed: a zero probability contributes 0)."""
+    if MODE == 0:  # KL(p || q)
+        p = tl.exp(y)
+        loss = tl.where(p == 0.0, 0.0, p * (y - x))
+        grad = -p
+    elif MODE == 1:  # KL(q || p)
+        q = tl.exp(x)
+        loss = tl.where(q == 0.0, 0.0, q * (x - y))
+        grad = loss + q
+    else:
+        # log M = log(beta p + (1 - beta) q), shifted by max(x, y) so that it never underflows.
+        m = tl.maximum(x, y)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        mix = beta * tl.exp(y - m) + (1.0 - beta) * tl.exp(x - m)
+        log_mix = m + tl.log(tl.where(mix == 0.0, 1.0, mix))
+        p = tl.exp(y)
+        q = tl.exp(x)
+        q_term = tl.where(q == 0.0, 0.0, q * (x - log_mix))
+        p_term = tl.where(p == 0.0, 0.0, p * (y - log_mix))
+        loss = beta * p_term + (1.0 - beta) * q_term
+        # d/dx of the loss: the terms through M cancel, leaving (1 - beta) q (x - log M).
+        grad = (1.0 - beta) * q_term
+    return loss, grad
+
+
+@triton.jit
+def _lse_update(m, s, v):
+    """Online log-sum-exp over a row: fold the tile ``v`` (fp32, ``-inf`` padded) into the running
+    maximum ``m`` and scaled sum ``s``."""
+    m_new = tl.maximum(m, tl.max(v, axis=1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    s = s * tl.exp(m - shift) + tl.sum(tl.exp(v - shift[:, None]), axis=1)
+    return m_new, s
+
+
+@triton.jit
+def _lse_finish(m, s):
+    """``log(sum(exp))`` of a row, and 0 for a row with nothing in it (ignored or padding)."""
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    return tl.where(s == 0.0, 0.0, shift + tl.log(tl.where(s == 0.0, 1.0, s)))
+
+
+@triton.jit
+def _jsd_kernel(
+    x_ptr, y_ptr, labels_ptr, g_ptr, dx_ptr, loss_ptr,
+    n_rows, n_cols, x_row_stride, y_row_stride, dx_row_stride,
+    beta, inv_temp, ignore_index,
+    MODE: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    HAS_LABELS: tl.constexpr,
+    G_PER_ROW: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    """Per row: the divergence summed over the vocabulary (into ``loss_ptr[row]``) and, when
+    ``WRITE_GRAD``, its gradient w.r.t. ``x`` times ``g`` (a device scalar, or one value per row).
+
+    Ignored rows load nothing, and write a zero loss and a zero gradient.
+    """
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        if HAS_LABELS:
+            labels = tl.load(labels_ptr + rows, mask=row_mask, other=ignore_index)
+            valid = row_mask & (labels != ignore_index)
+        else:
+            valid = row_mask
+        rows64 = rows.to(tl.int64)[:, None]
+        x_rows = x_ptr + rows64 * x_row_stride
+        y_rows = y_ptr + rows64 * y_row_stride
+        if WRITE_GRAD:
+            dx_rows = dx_ptr + rows64 * dx_row_stride
+            if G_PER_ROW:
+                g = tl.load(g_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+            else:
+                g = tl.where(valid, tl.load(g_ptr).to(tl.float32), 0.0)
+        row_loss = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        if not NORMALIZE:
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                col_mask = (cols < n_cols)[None, :]
+                mask = valid[:, None] & col_mask
+                # Padding (and ignored rows) read as x = y = 0: a zero loss and a finite gradient,
+                # which the store's mask or the zero factor g of an ignored row removes.
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                loss, grad = _divergence_terms(x, y, beta, MODE)
+                row_loss += tl.sum(loss, axis=1)
+                if WRITE_GRAD:
+                    tl.store(dx_rows + cols[None, :], (grad * g[:, None]).to(dx_ptr.dtype.element_ty),
+                             mask=row_mask[:, None] & col_mask)
+        elif COL_TILES == 1:
+            col_mask = (col_offsets < n_cols)[None, :]
+            mask = valid[:, None] & col_mask
+            x = tl.load(x_rows + col_offsets[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            y = tl.load(y_rows + col_offsets[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            x = x * inv_temp
+            y = y * inv_temp
+            m_x, s_x = _lse_update(tl.full([BLOCK_ROWS], float("-inf"), tl.float32),
+                                   tl.zeros([BLOCK_ROWS], dtype=tl.float32), x)
+            m_y, s_y = _lse_update(tl.full([BLOCK_ROWS], float("-inf"), tl.float32),
+                                   tl.zeros([BLOCK_ROWS], dtype=tl.float32), y)
+            lse_x = _lse_finish(m_x, s_x)
+            lse_y = _lse_finish(m_y, s_y)
+            # Padding reads as log q = log p = 0 from here on: a zero loss, and masked out of sums.
+            log_q = tl.where(mask, x - lse_x[:, None], 0.0)
+            log_p = tl.where(mask, y - lse_y[:, None], 0.0)
+            loss, grad = _divergence_terms(log_q, log_p, beta, MODE)
+            row_loss += tl.sum(loss, axis=1)
+            if WRITE_GRAD:
+                # Through the log-softmax: dz = (dlog_q - q * sum(dlog_q)) / T.
+                grad_sum = tl.sum(tl.where(mask, grad, 0.0), axis=1)
+                dz = (grad - tl.exp(log_q) * grad_sum[:, None]) * (g * inv_temp)[:, None]
+                tl.store(dx_rows + col_offsets[None, :], dz.to(dx_ptr.dtype.element_ty),
+                         mask=row_mask[:, None] & col_mask)
+        else:
+            # Pass 1: both rows' log-sum-exp, online.
+            m_x = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+            m_y = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+            s_x = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            s_y = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = valid[:, None] & (cols < n_cols)[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                y = tl.load(y_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                m_x, s_x = _lse_update(m_x, s_x, x * inv_temp)
+                m_y, s_y = _lse_update(m_y, s_y, y * inv_temp)
+            lse_x = _lse_finish(m_x, s_x)
+            lse_y = _lse_finish(m_y, s_y)
+            # Pass 2: the loss, and the sum of the per-element gradients that the log-softmax needs.
+            grad_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = valid[:, None] & (cols < n_cols)[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                y = tl.load(y_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                log_q = tl.where(mask, x * inv_temp - lse_x[:, None], 0.0)
+                log_p = tl.where(mask, y * inv_temp - lse_y[:, None], 0.0)
+                loss, grad = _divergence_terms(log_q, log_p, beta, MODE)
+                row_loss += tl.sum(loss, axis=1)
+                grad_sum += tl.sum(tl.where(mask, grad, 0.0), axis=1)
+            # Pass 3: the gradient through the log-softmax. Each tile is read before it is written,
+            # so dx may alias x (the fused linear op writes it over the logits it reads).
+            if WRITE_GRAD:
+                for tile in range(COL_TILES):
+                    cols = tile * BLOCK_COLS + col_offsets
+                    col_mask = (cols < n_cols)[None, :]
+                    mask = valid[:, None] & col_mask
+                    x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                    y = tl.load(y_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                    log_q = tl.where(mask, x * inv_temp - lse_x[:, None], 0.0)
+                    log_p = tl.where(mask, y * inv_temp - lse_y[:, None], 0.0)
+                    _, grad = _divergence_terms(log_q, log_p, beta, MODE)
+                    dz = (grad - tl.exp(log_q) * grad_sum[:, None]) * (g * inv_temp)[:, None]
+                    tl.store(dx_rows + cols[None, :], dz.to(dx_ptr.dtype.element_ty),
+                             mask=row_mask[:, None] & col_mask)
+        tl.store(loss_ptr + rows, row_loss, mask=row_mask)
+
+
+# --------------------------------------------------------------------------------------- launchers
+
+
+def _rows_cols(shape) -> tuple[int, int]:
+    shape = tuple(int(s) for s in shape)
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    return rows, shape[-1]
+
+
+def plan_divergence(rows: int, cols: int, dtype: torch.dtype, normalize: bool,
+                    profile: DeviceProfile | None = None) -> RowPlan:
+    """The divergence kernel's plan. On a GPU the normalising path's tiles are capped at
+    ``ELEMENTS_PER_THREAD`` per thread of a ``max_warps`` program, and every plan gets at least the
+    warps that give its tile that many elements per thread (within the profile's cap)."""
+    profile = profile or get_profile()
+    cap = None
+    if normalize and profile.kind == "cuda":
+        cap = profile.max_warps * 32 * ELEMENTS_PER_THREAD
+    p = plan_rows(rows, cols, dtype, profile=profile, max_block_cols=cap, **TILES)
+    wanted = p.block_rows * p.block_cols // (32 * ELEMENTS_PER_THREAD)
+    warps = max(p.num_warps, min(profile.max_warps, wanted))
+    return p if warps == p.num_warps else dataclasses.replace(p, num_warps=warps)
+
+
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
+    """The plans for inputs of ``shape`` (``(..., vocab)``): one kernel serves the forward pass
+    and the backward pass of ``reduction="none"``; ``log_probs`` is its one-pass path (temperature
+    1), ``normalizing`` the log-softmax path (temperature != 1, or ``from_logits``)."""
+    rows, cols = _rows_cols(shape)
+    return {"log_probs": plan_divergence(rows, cols, dtype, False, profile),
+            "normalizing": plan_divergence(rows, cols, dtype, True, profile)}
+
+
+def mode_of(beta: float) -> int:
+    return _FORWARD_KL if beta == 0.0 else _REVERSE_KL if beta == 1.0 else _GENERAL
+
+
+def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, temperature: float,
+             normalize: bool, g_per_row: bool = False) -> None:
+    """Launch the divergence kernel on ``(rows, vocab)`` matrices.
+
+    Writes each row's divergence into ``row_loss`` (fp32, ``(rows,)``) and, when ``dx`` is given,
+    the gradient w.r.t. ``x2d`` times ``g`` (a one-element device tensor, or ``(rows,)`` when
+    ``g_per_row``). ``dx`` may alias ``x2d`` when ``normalize`` is set (each tile is read before
+    it is written). Used by this op and by the fused linear JSD.
+    """
+    rows, cols = x2d.shape
+    p = plan_divergence(rows, cols, x2d.dtype, normalize)
+    _jsd_kernel[(p.grid,)](
+        x2d, y2d, labels, g, dx, row_loss,
+        rows, cols, x2d.stride(0), y2d.stride(0), dx.stride(0) if dx is not None else 0,
+        float(beta), 1.0 / float(temperature), int(ignore_index),
+        MODE=mode_of(beta), NORMALIZE=bool(normalize), HAS_LABELS=labels is not None,
+        G_PER_ROW=bool(g_per_row), WRITE_GRAD=dx is not None,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+        num_warps=p.num_warps,
+    )
+
+
+def token_scale(labels, rows: int, ignore_index: int, reduction: str, device) -> torch.Tensor:
+    """The factor each token's loss is multiplied by, as a one-element fp32 device tensor (no host
+    sync): ``1 / max(tokens not ignored, 1)`` for ``mean``, else 1."""
+    if reduction != "mean":
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if labels is None:
+        return torch.full((1,), 1.0 / rows, dtype=torch.float32, device=device)
+    count = (labels != ignore_index).sum().clamp_(min=1).to(torch.float32)
+    return count.reciprocal_().reshape(1)
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+
+def _grad_is_one(g: torch.Tensor) -> bool:
+    """Whether a scalar incoming gradient is exactly 1 (the usual ``loss.backward()``): then the
+    gradient computed in the forward pass is returned as is. Costs one device-to-host read."""
+    return g.numel() == 1 and float(g) == 1.0
+
+
+class JSDFunction(torch.autograd.Function):
+    """Autograd wrapper. Saves, for ``mean``/``sum``, ``dinput`` computed in the forward pass (for
+    an incoming gradient of 1); for ``none``, the 2-D views of ``input``, ``target`` and the
+    labels, from which the backward kernel recomputes the gradient."""
+
+    @staticmethod
+    def forward(ctx, input, target, labels, beta, ignore_index, temperature, reduction, from_logits):
+        labels = _validate(input, target, labels, beta, ignore_index, temperature, reduction)
+        x2d, y2d = as_rows(input), as_rows(target)
+        rows = x2d.shape[0]
+        labels1d = labels.reshape(-1).contiguous() if labels is not None else None
+        normalize = bool(from_logits) or float(temperature) != 1.0
+        with_grad = ctx.needs_input_grad[0]
+        precompute = with_grad and reduction != "none"
+        scale = token_scale(labels1d, rows, ignore_index, reduction, input.device)
+        dx = torch.empty_like(x2d, memory_format=torch.contiguous_format) if precompute else None
+        row_loss = torch.empty(rows, dtype=torch.float32, device=input.device)
+        jsd_rows(x2d, y2d, labels1d, scale, dx, row_loss, beta, ignore_index, temperature, normalize)
+        ctx.shape, ctx.precomputed = input.shape, precompute
+        ctx.args = (float(beta), int(ignore_index), float(temperature), normalize)
+        if precompute:
+            ctx.save_for_backward(dx)
+        elif with_grad:
+            ctx.save_for_backward(x2d, y2d, labels1d)
+        if reduction == "none":
+            return row_loss.to(input.dtype).view(input.shape[:-1])
+        return (row_loss.sum() * scale[0]).to(input.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.precomputed:
+            (dx,) = ctx.saved_tensors
+            dx = dx if _grad_is_one(grad) else dx * grad.to(dx.dtype)
+            return dx.view(ctx.shape), None, None, None, None, None, None, None
+        x2d, y2d, labels1d = ctx.saved_tensors
+        g = grad.expand(ctx.shape[:-1]).reshape(-1).to(torch.float32).contiguous()
+        dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+        row_loss = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
+        beta, ignore_index, temperature, normalize = ctx.args
+        jsd_rows(x2d, y2d, labels1d, g, dx, row_loss, beta, ignore_index, temperature, normalize,
+                 g_per_row=True)
+        return dx.view(ctx.shape), None, None, None, None, None, None, None
+
+
+def check_beta(beta) -> None:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+
+
+def check_temperature(temperature) -> None:
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(float(temperature)) or float(temperature) <= 0.0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+
+
+def check_labels(labels, name: str, tokens_shape, ref: torch.Tensor, ref_name: str):
+    if labels is None:
+        return None
+    check_index(labels, name)
+    rows = math.prod(tokens_shape)
+    if tuple(labels.shape) not in (tuple(tokens_shape), (rows,)):
+        raise ValueError(
+            f"{name} must have shape {tuple(tokens_shape)} (one per token), got {tuple(labels.shape)}"
+        )
+    check_same_device(labels, name, ref, ref_name)
+    return labels
+
+
+def _validate(input, target, labels, beta, ignore_index, temperature, reduction):
+    check_float(input, "input")
+    check_float(target, "target")
+    if input.dim() == 0:
+        raise ValueError("input must have at least one dimension (..., vocab), got a 0-d tensor")
+    check_nonempty(input, "input")
+    if tuple(target.shape) != tuple(input.shape):
+        raise ValueError(
+            f"target must have the input's shape {tuple(input.shape)} (same tokens and vocabulary), "
+            f"got {tuple(target.shape)}"
+        )
+    check_same_device(target, "target", input, "input")
+    check_beta(beta)
+    check_temperature(temperature)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return check_labels(labels, "labels", input.shape[:-1], input, "input")
+
+
+def jsd(input, target, labels=None, beta: float = 0.5, ignore_index: int = -100,
+        temperature: float = 1.0, reduction: str = "mean", from_logits: bool = False):
+    """Generalised JSD between student ``input`` and teacher ``target`` log-probabilities. See the
+    module docstring."""
+    check_tensor(input, "input")
+    check_tensor(target, "target")
+    return JSDFunction.apply(input, target, labels, beta, ignore_index, temperature, reduction, from_logits)

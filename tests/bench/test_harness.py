@@ -1,0 +1,180 @@
+"""The benchmark harness's logic, on the CPU: schema, percentiles, memory estimates and skipping,
+OOM handling, CSV append, charts, the model registry and every op's declaration."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from onca.bench import harness, plot, records, report
+from onca.bench.models import MODELS, get_model
+from onca.bench.spec import OpBenchmark, Sweep, d1, d2
+
+SCHEMA = {
+    "kernel_name", "kernel_provider", "metric_name", "metric_unit", "gpu_name", "x_name", "x_label",
+    "x_values", "y_values_50", "y_values_20", "y_values_80", "timestamp", "kernel_operation_mode",
+    "extra_benchmark_config_str", "onca_version",
+}
+
+
+def toy_benchmark(memory=lambda p, dtype, provider, mode: 1024, onca=None, liger=None) -> OpBenchmark:
+    def make_inputs(p, dtype, device):
+        return {"x": torch.randn(p["n"], 8, dtype=dtype, device=device, requires_grad=True)}
+
+    def scale(p, inputs):
+        return lambda: inputs["x"] * 2.0
+
+    return OpBenchmark(
+        name="toy", make_inputs=make_inputs, onca=onca or scale, reference=scale, liger=liger,
+        sweeps=(d1("n", [4, 8], {}), d2(lambda m: {"n": 4} if m.name == "qwen3-0.6b" else None)),
+        memory_estimate=memory, bytes_moved=lambda p, dtype, mode: 2 * p["n"] * 8 * 4, probe={"n": 4},
+        config="toy",
+    )
+
+
+def cpu_harness(**kw) -> harness.Harness:
+    settings = harness.Settings(device="cpu", dtype=torch.float32, providers=("onca", "torch", "liger"), **kw)
+    return harness.Harness(settings, progress=False)
+
+
+def by(records_, provider, metric, mode):
+    return next(r for r in records_ if (r.kernel_provider, r.metric_name, r.kernel_operation_mode)
+                == (provider, metric, mode))
+
+
+def test_percentiles():
+    assert harness.percentiles([5, 1, 3, 2, 4]) == (3.0, 1.8, 4.2)
+    assert harness.percentiles([7.0]) == (7.0, 7.0, 7.0)
+    assert all(math.isnan(v) for v in harness.percentiles([]))
+
+
+def test_records_follow_the_schema():
+    h = cpu_harness()
+    new = h.run(toy_benchmark(), [toy_benchmark().sweeps[0]])
+    # One record per (provider, metric, mode): 3 providers x 2 metrics x 3 modes.
+    assert len(new) == 18
+    for r in new:
+        obj = r.to_json()
+        assert SCHEMA <= set(obj), SCHEMA - set(obj)
+        assert len(obj["x_values"]) == len(obj["y_values_50"]) == len(obj["y_values_80"])
+        json.dumps(obj)  # serialisable
+    speed = by(new, "onca", "speed", "forward").points[0]
+    assert speed.status == "ok" and speed.y20 <= speed.y50 <= speed.y80 and speed.gbps > 0
+    # liger has no implementation in the toy: recorded as unavailable, not an error.
+    assert by(new, "liger", "speed", "full").points[0].status == "unavailable"
+    # No memory counters on the CPU: said so, not made up.
+    assert by(new, "onca", "memory", "full").points[0].status == "unmeasured"
+
+
+def test_points_that_cannot_fit_are_skipped_with_their_estimate(monkeypatch):
+    huge = lambda p, dtype, provider, mode: (1 << 50) if provider == "torch" else 1024  # noqa: E731
+    h = cpu_harness()
+    monkeypatch.setattr(h, "free_bytes", lambda: 1 << 30)
+    new = h.run(toy_benchmark(memory=huge), [toy_benchmark().sweeps[0]])
+    skipped = by(new, "torch", "speed", "full").points[0]
+    assert skipped.status == "skipped" and skipped.estimate_mb == (1 << 50) / (1 << 20)
+    assert "MB free" in skipped.note
+    assert by(new, "onca", "speed", "full").points[0].status == "ok"
+
+
+def test_out_of_memory_is_recorded_and_the_sweep_goes_on():
+    calls = []
+
+    def flaky(p, inputs):
+        def run():
+            calls.append(1)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+            return inputs["x"] * 2.0
+
+        return run
+
+    h = cpu_harness(modes=("forward",))
+    new = h.run(toy_benchmark(onca=flaky), [toy_benchmark().sweeps[0]])
+    first = by(new, "onca", "speed", "forward").points[0]
+    assert first.status == "oom" and "out of memory" in first.note
+    assert by(new, "torch", "speed", "forward").points[0].status == "ok"
+
+
+def test_errors_are_recorded_not_raised():
+    def broken(p, inputs):
+        def run():
+            raise RuntimeError("kernel exploded")
+
+        return run
+
+    new = cpu_harness(modes=("forward",)).run(toy_benchmark(onca=broken), [toy_benchmark().sweeps[0]])
+    point = by(new, "onca", "speed", "forward").points[0]
+    assert point.status == "error" and "kernel exploded" in point.note
+
+
+def test_memory_calibration_only_corrects_upwards_and_within_reason():
+    assert harness.calibration(100, 200) == 1.0
+    assert harness.calibration(300, 200) == 1.5
+    assert harness.calibration(10_000, 200) == 4.0
+
+
+def test_csv_append_plot_and_latest(tmp_path):
+    rec = records.Record("toy", "onca", "speed", "ms", "NVIDIA H200", "n", "n", "2026-01-01T00:00:00+00:00",
+                         "full", "toy", "0.1", "d1", "bfloat16",
+                         [records.Point(4, 1.0, 0.9, 1.1), records.Point(8, 2.0, 1.9, 2.1)])
+    newer = records.Record(**{**rec.__dict__, "timestamp": "2026-02-01T00:00:00+00:00",
+                              "points": [records.Point(4, 0.5, 0.4, 0.6)]})
+    path = tmp_path / "results.csv"
+    assert records.append_csv(str(path), [rec]) == 2
+    assert records.append_csv(str(path), [newer]) == 1
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("kernel_name,") and len(lines) == 4  # one header, three rows
+    rows = records.latest(records.read_csv(str(path)))
+    assert sorted((r["x_value"], r["y_value_50"]) for r in rows) == [("4", 0.5), ("8", 2.0)]
+    pngs = plot.plot_csv(str(path), str(tmp_path / "plots"))
+    assert len(pngs) == 1 and pngs[0].endswith(".png")
+    with open(pngs[0], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_table_shows_speedups():
+    recs = []
+    for provider, ms in (("onca", 1.0), ("torch", 3.0)):
+        recs.append(records.Record("toy", provider, "speed", "ms", "gpu", "n", "n", "t", "full", "", "0", "d1",
+                                   "bf16", [records.Point(4, ms, ms, ms)]))
+    text = report.table(recs)
+    assert "vs torch" in text and "3.00x" in text
+
+
+def test_model_registry():
+    for name in ("llama-3-8b", "llama-3-70b", "qwen3-0.6b", "qwen3-8b", "qwen2.5-7b", "mistral-7b",
+                 "gemma-2-9b", "gemma-3-27b", "phi-3-mini"):
+        m = get_model(name)
+        assert m.hidden_size > 0 and m.intermediate_size > m.hidden_size and m.vocab_size > 30000
+        assert m.num_heads % m.num_kv_heads == 0 and m.head_dim in (64, 96, 128, 256)
+    assert get_model("llama-3-8b").num_heads * get_model("llama-3-8b").head_dim == 4096
+    with pytest.raises(ValueError, match="unknown model 'gpt-9'"):
+        get_model("gpt-9")
+    assert len(MODELS) >= 9
+
+
+def test_sweep_helpers():
+    s = d1("tokens", [1, 2], {"hidden": 8})
+    assert s.points == ((1, {"hidden": 8, "tokens": 1}), (2, {"hidden": 8, "tokens": 2}))
+    with pytest.raises(ValueError, match="kind"):
+        Sweep("d3", "x", "x", ())
+
+
+@pytest.mark.parametrize("op", harness.list_ops())
+def test_every_op_benchmark_declaration(op):
+    """Each op declares D1 and D2 sweeps, positive estimates, and runs at its probe size here."""
+    bench = harness.load(op)
+    assert bench.name == op
+    assert bench.sweep("d1") and bench.sweep("d2")
+    for provider in ("onca", "torch", "torch_compile", "liger"):
+        for mode in bench.modes:
+            assert bench.memory_estimate(bench.probe, torch.bfloat16, provider, mode) > 0
+    settings = harness.Settings(device="cpu", dtype=torch.float32, providers=("onca", "torch"),
+                                modes=("forward", "full"), cpu_reps=1)
+    new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
+    statuses = {p.status for r in new if r.metric_name == "speed" for p in r.points}
+    assert statuses == {"ok"}, [(r.kernel_provider, p.note) for r in new for p in r.points if p.status != "ok"]

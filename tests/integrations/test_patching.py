@@ -1,0 +1,120 @@
+"""onca.apply / apply_to / unapply: what gets patched, switches, errors, idempotence, restoration."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import onca
+from onca.integrations.transformers import FAMILIES, family_of
+from onca.integrations.transformers.presets import tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(model_type="qwen3", **kw):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **kw))
+
+
+def _patched_forwards(model):
+    return sorted({m.__dict__["forward"].__onca__ for m in model.modules()
+                   if getattr(m.__dict__.get("forward"), "__onca__", None)})
+
+
+def test_apply_patches_every_kernel_and_unapply_restores():
+    model = _model("qwen3")
+    x = torch.randint(0, 256, (2, 12))
+    before = model(input_ids=x, labels=x).loss.item()
+    modeling = family_of("qwen3").modeling()
+    original_rope = modeling.apply_rotary_pos_emb
+    onca.apply(model)
+    assert _patched_forwards(model) == ["fused_linear_cross_entropy", "mlp", "rms_norm"]
+    # Qwen3's q/k norms are patched too: 2 layers x (2 decoder norms + q_norm + k_norm) + final norm.
+    assert model._onca_kernels["rms_norm"] == 2 * 4 + 1
+    assert modeling.apply_rotary_pos_emb.__onca__ == "rope"
+    onca.apply(model)  # twice: harmless
+    assert model._onca_kernels["rms_norm"] == 9
+    onca.unapply(model)
+    assert _patched_forwards(model) == []
+    assert modeling.apply_rotary_pos_emb is original_rope
+    assert model(input_ids=x, labels=x).loss.item() == pytest.approx(before, rel=1e-6)
+
+
+def test_switches_turn_kernels_off():
+    model = onca.apply(_model("llama"), rope=False, fused_linear_cross_entropy=False)
+    assert _patched_forwards(model) == ["mlp", "rms_norm"]
+    onca.unapply(model)
+    with pytest.raises(TypeError, match="unknown Onca kernel switch"):
+        onca.apply(_model("llama"), swiglu=False)
+
+
+def test_unsupported_model_is_a_clear_error():
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    with pytest.raises(ValueError, match="does not support model type 'gpt2'"):
+        onca.apply(transformers.AutoModelForCausalLM.from_config(config))
+    with pytest.raises(ValueError, match="does not support model type 'bert'"):
+        onca.apply_to("bert")
+
+
+def test_logits_when_asked_and_hf_output_types():
+    model = onca.apply(_model("llama"))
+    x = torch.randint(0, 256, (2, 10))
+    model.train()
+    out = model(input_ids=x, labels=x)
+    assert type(out).__name__ == "CausalLMOutputWithPast" and out.logits is None and out.loss is not None
+    out = model(input_ids=x, labels=x, skip_logits=False)
+    assert out.logits is not None and out.logits.shape == (2, 10, 256)
+    model.eval()
+    assert model(input_ids=x).logits.shape == (2, 10, 256)
+    tup = model.train()(input_ids=x, labels=x, return_dict=False)
+    assert isinstance(tup, tuple) and torch.is_tensor(tup[0])
+    onca.unapply(model)
+
+
+def test_num_items_in_batch_sums_then_divides():
+    ref, model = _model("llama"), None
+    model = onca.apply(copy.deepcopy(ref))
+    x = torch.randint(0, 256, (2, 10))
+    labels = x.clone()
+    labels[0, :4] = -100
+    n = (labels[:, 1:] != -100).sum()
+    for m in (ref, model):
+        m.train()
+    expected = ref(input_ids=x, labels=labels, num_items_in_batch=n * 2).loss
+    got = model(input_ids=x, labels=labels, num_items_in_batch=n * 2).loss
+    assert got.item() == pytest.approx(expected.item(), rel=1e-4)
+    onca.unapply(model)
+
+
+def test_apply_to_patches_classes_before_construction():
+    family = family_of("mistral")
+    modeling = family.modeling()
+    norm_forward = modeling.MistralRMSNorm.forward
+    try:
+        onca.apply_to("mistral")
+        model = _model("mistral")
+        assert modeling.MistralRMSNorm.forward.__onca__ == "rms_norm"
+        x = torch.randint(0, 256, (2, 8))
+        model.train()
+        assert model(input_ids=x, labels=x).logits is None
+    finally:
+        onca.unapply_to("mistral")
+    assert modeling.MistralRMSNorm.forward is norm_forward
+
+
+def test_auto_model_loader_returns_a_patched_model(tmp_path):
+    model = onca.AutoModelForCausalLM.from_config(tiny_config("qwen2"), rope=False)
+    assert "rms_norm" in model._onca_kernels and "rope" not in model._onca_kernels
+    model.save_pretrained(tmp_path)
+    loaded = onca.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert loaded._onca_kernels["rms_norm"] > 0
+    onca.unapply(loaded)
+    onca.unapply(model)
+
+
+def test_every_family_is_listed():
+    assert set(FAMILIES) == {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                             "gemma3_text", "phi3", "olmo2", "granite"}

@@ -1,0 +1,69 @@
+"""``onca.nn.CrossEntropyLoss`` is a drop-in for ``torch.nn.CrossEntropyLoss`` on (N, C) logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onca
+from tests.helpers import SCALE, assert_close, leaf, randn
+
+N, C = {"cpu": (29, 777), "gpu": (8192, 128256)}[SCALE]
+
+
+def _target(device, ignore_index=-100):
+    t = torch.randint(0, C, (N,), device=device)
+    t[::5] = ignore_index
+    return t
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"reduction": "sum"}, {"reduction": "none"}, {"label_smoothing": 0.1},
+    {"ignore_index": 3, "reduction": "sum", "label_smoothing": 0.3},
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_torch_module(device, kwargs, dtype):
+    ref_mod, ours = torch.nn.CrossEntropyLoss(**kwargs), onca.nn.CrossEntropyLoss(**kwargs)
+    assert ours.state_dict().keys() == ref_mod.state_dict().keys()
+    x = randn(N, C, dtype=dtype, device=device, std=2.0)
+    t = _target(device, kwargs.get("ignore_index", -100))
+    xr, xo = leaf(x.float()), leaf(x)
+    y_ref, y = ref_mod(xr, t), ours(xo, t)
+    assert y.dtype == dtype
+    assert_close(y, y_ref, dtype, "loss")
+    dy = randn(*y_ref.shape, device=device) if y_ref.dim() else torch.tensor(1.0, device=device)
+    y_ref.backward(dy)
+    y.backward(dy.to(dtype))
+    assert_close(xo.grad, xr.grad, dtype, "dlogits")
+
+
+def test_extras_and_in_place(device):
+    x = randn(N, C, device=device, std=2.0)
+    t = _target(device)
+    m = onca.nn.CrossEntropyLoss(lse_square_scale=1e-3, softcap=20.0, return_z_loss=True, in_place_backward=True)
+    base = leaf(x)
+    loss, z = m(base.clone(), t)
+    expected, z_expected = onca.functional.cross_entropy(x, t, lse_square_scale=1e-3, softcap=20.0,
+                                                         return_z_loss=True)
+    assert torch.equal(loss, expected) and torch.equal(z, z_expected)
+    loss.backward()
+    assert base.grad is not None and torch.isfinite(base.grad).all()
+    assert "softcap=20.0" in repr(m) and "in_place_backward=True" in repr(m)
+
+
+def test_legacy_reduction_arguments():
+    with pytest.warns(UserWarning):
+        assert onca.nn.CrossEntropyLoss(size_average=False).reduction == "sum"
+    with pytest.warns(UserWarning):
+        assert onca.nn.CrossEntropyLoss(reduce=False).reduction == "none"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="weight"):
+        onca.nn.CrossEntropyLoss(weight=torch.ones(C))
+    with pytest.raises(ValueError, match="reduction"):
+        onca.nn.CrossEntropyLoss(reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        onca.nn.CrossEntropyLoss(label_smoothing=-0.1)
+    with pytest.raises(ValueError, match="softcap"):
+        onca.nn.CrossEntropyLoss(softcap=-1.0)

@@ -1,0 +1,172 @@
+"""``onca.nn.SwiGLUMLP`` / ``onca.nn.GeGLUMLP`` are drop-ins for the Hugging Face gated MLPs: the same
+state dict, the same outputs and gradients, on the real transformers config classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onca
+from tests.helpers import SCALE, assert_close, randn
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.gemma.modeling_gemma import GemmaMLP  # noqa: E402
+from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP  # noqa: E402
+from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralMLP  # noqa: E402
+from transformers.models.phi3.modeling_phi3 import Phi3MLP  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP  # noqa: E402
+
+HIDDEN, INTER = {"cpu": (48, 136), "gpu": (4096, 14336)}[SCALE]
+SHAPE = {"cpu": (2, 5, HIDDEN), "gpu": (2, 2048, HIDDEN)}[SCALE]
+SIZES = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, num_hidden_layers=1, vocab_size=128)
+
+# (name, config factory, Hugging Face MLP class, Onca module class)
+CASES = [
+    ("llama", lambda: transformers.LlamaConfig(**SIZES), LlamaMLP, onca.nn.SwiGLUMLP),
+    ("llama-bias", lambda: transformers.LlamaConfig(mlp_bias=True, **SIZES), LlamaMLP, onca.nn.SwiGLUMLP),
+    ("mistral", lambda: transformers.MistralConfig(**SIZES), MistralMLP, onca.nn.SwiGLUMLP),
+    ("qwen2", lambda: transformers.Qwen2Config(**SIZES), Qwen2MLP, onca.nn.SwiGLUMLP),
+    ("qwen3", lambda: transformers.Qwen3Config(**SIZES), Qwen3MLP, onca.nn.SwiGLUMLP),
+    ("phi3", lambda: transformers.Phi3Config(**SIZES), Phi3MLP, onca.nn.SwiGLUMLP),
+    ("gemma", lambda: transformers.GemmaConfig(**SIZES), GemmaMLP, onca.nn.GeGLUMLP),
+    ("gemma2", lambda: transformers.Gemma2Config(**SIZES), Gemma2MLP, onca.nn.GeGLUMLP),
+    ("gemma2-erf", lambda: transformers.Gemma2Config(hidden_activation="gelu", **SIZES), Gemma2MLP,
+     onca.nn.GeGLUMLP),
+    ("gemma3", lambda: transformers.Gemma3TextConfig(**SIZES), Gemma3MLP, onca.nn.GeGLUMLP),
+]
+CASE_IDS = [c[0] for c in CASES]
+
+
+def _pair(case, dtype, device, **options):
+    _, make_config, hf_cls, onca_cls = case
+    config = make_config()
+    torch.manual_seed(1)
+    hf = hf_cls(config).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in hf.parameters():  # weights that keep activations O(1)
+            p.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * p.shape[-1] ** -0.5 * 2)
+    ours = onca_cls(config, **options).to(device=device, dtype=dtype)
+    assert list(ours.state_dict()) == list(hf.state_dict())
+    result = ours.load_state_dict(hf.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    return hf, ours
+
+
+def _compare(hf, ours, dtype, device, x=None):
+    x = randn(*SHAPE, dtype=dtype, device=device) if x is None else x
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_hf, y_ours = hf(x_hf), ours(x_ours)
+    assert y_ours.dtype == y_hf.dtype and y_ours.shape == y_hf.shape
+    assert_close(y_ours, y_hf, dtype, "y")
+    dy = randn(*y_hf.shape, dtype=y_hf.dtype, device=device)
+    y_hf.backward(dy)
+    y_ours.backward(dy)
+    # Hugging Face's bf16 backward rounds its intermediate gradients to bf16; ours keeps fp32 until
+    # the gradient is stored. Both are compared at bf16's tolerance (tests/ops checks float64).
+    assert_close(x_ours.grad, x_hf.grad, dtype, "dx")
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, name
+        assert_close(p.grad, hf_params[name].grad, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_hugging_face_module(device, case, dtype):
+    hf, ours = _pair(case, dtype, device)
+    assert ours.fused_gate_up == (case[0] == "phi3")
+    _compare(hf, ours, dtype, device)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[8]], ids=["llama", "phi3", "gemma2-erf"])
+@pytest.mark.parametrize("recompute,in_place", [(False, True), (False, False), (True, False)])
+def test_every_path_matches(device, case, recompute, in_place):
+    hf, ours = _pair(case, torch.bfloat16, device, recompute=recompute, in_place=in_place)
+    _compare(hf, ours, torch.bfloat16, device)
+
+
+def test_down_proj_with_hooks_takes_the_plain_path(device):
+    hf, ours = _pair(CASES[0], torch.float32, device)
+    seen = []
+    ours.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    _compare(hf, ours, torch.float32, device)
+    assert seen == [SHAPE]
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=["llama", "phi3"])
+def test_keeps_two_intermediate_tensors(device, case):
+    """Saved for backward between forward and backward: x (by the projections), gate and up (or the
+    fused gate_up), the weights. No activation product, unlike nn.Linear-based MLPs."""
+    _, ours = _pair(case, torch.float32, device)
+    x = randn(*SHAPE, device=device, requires_grad=True)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ours(x)
+    for p in ours.parameters():
+        storages.pop(p.untyped_storage().data_ptr(), None)
+    tokens = x.numel() // HIDDEN
+    assert sum(storages.values()) == (x.numel() + 2 * tokens * INTER) * 4, storages
+
+
+def test_in_place_refuses_a_second_backward(device):
+    _, ours = _pair(CASES[0], torch.float32, device)
+    x = randn(*SHAPE, device=device, requires_grad=True)
+    y = ours(x).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="in_place=False"):
+        y.backward()
+    _, safe = _pair(CASES[0], torch.float32, device, in_place=False)
+    y = safe(x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+
+
+def test_autocast_with_fp32_weights(device):
+    hf, ours = _pair(CASES[0], torch.float32, device)
+    x = randn(*SHAPE, device=device)
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        y_hf, y_ours = hf(x_hf), ours(x_ours)
+    assert y_ours.dtype == y_hf.dtype == torch.bfloat16
+    assert_close(y_ours, y_hf, torch.bfloat16, "y")
+    dy = randn(*SHAPE, dtype=torch.bfloat16, device=device)
+    y_hf.backward(dy)
+    y_ours.backward(dy)
+    assert_close(x_ours.grad, x_hf.grad, torch.bfloat16, "dx")
+    for (name, p), q in zip(ours.named_parameters(), hf.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        assert_close(p.grad, q.grad, torch.bfloat16, f"d{name}")
+
+
+def test_options_and_repr():
+    config = transformers.LlamaConfig(**SIZES)
+    m = onca.nn.SwiGLUMLP(config, intermediate_size=64, fused_gate_up=True)
+    assert list(m.state_dict()) == ["gate_up_proj.weight", "down_proj.weight"]
+    assert m.gate_up_proj.weight.shape == (128, HIDDEN) and "fused_gate_up=True" in repr(m)
+    g = onca.nn.GeGLUMLP(transformers.GemmaConfig(**SIZES))
+    assert g.approximate == "tanh"
+    assert onca.nn.GeGLUMLP(transformers.GemmaConfig(**SIZES), approximate="none").approximate == "none"
+    # Gemma 1's legacy hidden_act="gelu" is rewritten to the tanh form by GemmaConfig, as HF runs it.
+    assert onca.nn.GeGLUMLP(transformers.GemmaConfig(hidden_act="gelu", **SIZES)).approximate == "tanh"
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="hidden_act"):
+        onca.nn.SwiGLUMLP(transformers.LlamaConfig(hidden_act="gelu", **SIZES))
+    with pytest.raises(ValueError, match="GELU activation"):
+        onca.nn.GeGLUMLP(transformers.LlamaConfig(**SIZES))
+    with pytest.raises(ValueError, match="approximate"):
+        onca.nn.GeGLUMLP(transformers.GemmaConfig(**SIZES), approximate="fast")
+    with pytest.raises(TypeError, match="recompute and in_place"):
+        onca.nn.SwiGLUMLP(transformers.LlamaConfig(**SIZES), recompute=1)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        onca.nn.SwiGLUMLP(transformers.LlamaConfig(**SIZES), intermediate_size=0)

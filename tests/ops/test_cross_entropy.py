@@ -1,0 +1,322 @@
+"""Cross entropy forward and backward against a float64 PyTorch reference (torch's own cross entropy,
+plus the z-loss and soft-capping terms written out)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onca import device as onca_device
+from onca.ops import cross_entropy as op
+from onca.ops.cross_entropy import cross_entropy
+from tests.helpers import SCALE, assert_close, leaf, non_contiguous, randn
+
+IGNORE = -100
+
+# Vocabularies of real models (32000, 151936, 262144) scaled down on the CPU: non-powers of two.
+VOCABS = {"cpu": [1000, 1519, 2621], "gpu": [32000, 128256, 151936, 262144]}[SCALE]
+TOKENS = {"cpu": 37, "gpu": 4096}[SCALE]
+VOCAB = {"cpu": 1000, "gpu": 128256}[SCALE]
+WIDE_ROWS = {"cpu": 3, "gpu": 1024}[SCALE]
+
+OPTIONS = {
+    "smoothing": dict(label_smoothing=0.1),
+    "z_loss": dict(lse_square_scale=1e-3),
+    "softcap": dict(softcap=5.0),
+    "all": dict(label_smoothing=0.2, lse_square_scale=1e-2, softcap=3.0),
+}
+
+
+def reference_terms(z64, target, ignore_index=IGNORE, label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
+    """Per-token float64 loss and z-loss of logits ``z64`` ``(N, V)`` (already float64)."""
+    if softcap is not None:
+        z64 = softcap * torch.tanh(z64 / softcap)
+    per = F.cross_entropy(z64, target.long(), ignore_index=ignore_index, reduction="none",
+                          label_smoothing=label_smoothing)
+    valid = (target != ignore_index).to(torch.float64)
+    z = lse_square_scale * torch.logsumexp(z64, dim=-1) ** 2 * valid
+    return per + z, z, valid
+
+
+def reduce_reference(per, valid, reduction):
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    return per.sum() / valid.sum()  # NaN when every token is ignored, as torch
+
+
+def make_target(n, vocab, device, ignore_every=4):
+    t = torch.randint(0, vocab, (n,), device=device)
+    if ignore_every:
+        t[::ignore_every] = IGNORE
+    return t
+
+
+def make_logits(shape, dtype, device, std=2.0):
+    return randn(*shape, dtype=dtype, device=device, std=std)
+
+
+def check(logits, target, reduction="mean", in_place=False, grad_scale=None, **options):
+    """Our loss and gradient against the float64 reference, for logits of any leading shape."""
+    dtype, vocab = logits.dtype, logits.shape[-1]
+    base = leaf(logits)
+    # A non-leaf activation, as in a model: in-place mode may overwrite it.
+    x = base.clone() if in_place else base
+    loss = cross_entropy(x, target, reduction=reduction, in_place_backward=in_place, **options)
+    x64 = logits.detach().to(torch.float64).requires_grad_(True)
+    per, _, valid = reference_terms(x64.reshape(-1, vocab), target.reshape(-1), **options)
+    ref = reduce_reference(per, valid, reduction)
+    if reduction == "none":
+        ref = ref.view(target.shape)
+    assert loss.dtype == dtype and loss.shape == ref.shape
+    assert_close(loss, ref, dtype, "loss")
+    if grad_scale is None:
+        dy = randn(*ref.shape, dtype=torch.float32, device=logits.device) if ref.dim() else torch.tensor(0.75)
+    else:
+        dy = torch.tensor(float(grad_scale))
+    dy = dy.to(logits.device)
+    loss.backward(dy.to(dtype))
+    ref.backward(dy.to(dtype).to(torch.float64))
+    assert_close(base.grad, x64.grad, dtype, "dlogits")
+    return loss
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reductions(profile, device, dtype, reduction, in_place):
+    logits = make_logits((TOKENS, VOCAB), dtype, device)
+    check(logits, make_target(TOKENS, VOCAB, device), reduction, in_place)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_options(device, name, dtype):
+    logits = make_logits((TOKENS, VOCAB), dtype, device)
+    target = make_target(TOKENS, VOCAB, device)
+    check(logits, target, "mean", False, **OPTIONS[name])
+    check(logits, target, "none", True, **OPTIONS[name])
+
+
+def test_fp16(device):
+    logits = make_logits((TOKENS, VOCAB), torch.float16, device)
+    check(logits, make_target(TOKENS, VOCAB, device), "mean", True, **OPTIONS["all"])
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_vocab_sizes(profile, device, vocab):
+    logits = make_logits((TOKENS, vocab), torch.bfloat16, device)
+    check(logits, make_target(TOKENS, vocab, device), "mean", True, label_smoothing=0.05)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_column_tiled_path(profile, device, onchip_bytes, dtype, in_place):
+    # A 16 KiB budget cannot hold a row of 1519 logits: the kernel runs the online log-sum-exp
+    # over column tiles, then a second pass for the gradient.
+    forced = onchip_bytes(16384)
+    vocab, rows = VOCABS[1], {"cpu": 9, "gpu": TOKENS}[SCALE]
+    assert op.plan((rows, vocab), dtype, forced)["forward"].col_tiles > 1
+    logits = make_logits((rows, vocab), dtype, device)
+    check(logits, make_target(rows, vocab, device), "mean", in_place, **OPTIONS["all"])
+    check(logits, make_target(rows, vocab, device, ignore_every=0), "none", in_place)
+
+
+@pytest.mark.parametrize("name", sorted(onca_device.PROFILES))
+def test_vocab_262144_on_every_profile(monkeypatch, device, name):
+    """Gemma 3's vocabulary (262144) plans and runs under every built-in profile (Ascend's UB too)."""
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", name)
+    onca_device.reset()
+    try:
+        vocab = 262144
+        p = op.plan((WIDE_ROWS, vocab), torch.bfloat16)["forward"]
+        assert p.tile_bytes <= p.onchip_bytes
+        logits = make_logits((WIDE_ROWS, vocab), torch.bfloat16, device)
+        target = torch.tensor([5, vocab - 1, IGNORE] * (WIDE_ROWS // 3), device=device)
+        check(logits, target, "mean", True, softcap=30.0)
+    finally:
+        onca_device.reset()
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+def test_every_token_ignored(device, in_place):
+    """torch's mean is 0/0 = NaN here; Onca's is 0.0. Sum, none and every gradient agree (zero)."""
+    logits = make_logits((5, VOCAB), torch.float32, device)
+    target = torch.full((5,), IGNORE, device=device)
+    for reduction in ("mean", "sum", "none"):
+        base = leaf(logits)
+        x = base.clone() if in_place else base
+        loss, z = cross_entropy(x, target, reduction=reduction, in_place_backward=in_place,
+                                lse_square_scale=1e-3, return_z_loss=True)
+        assert torch.isfinite(loss).all() and torch.isfinite(z).all()
+        assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(z, torch.zeros_like(z))
+        loss.sum().backward()
+        assert torch.equal(base.grad, torch.zeros_like(logits))
+        if reduction == "mean":
+            assert math.isnan(F.cross_entropy(logits, target).item())  # what we deliberately differ from
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_one_token(device, reduction):
+    logits = make_logits((1, VOCAB), torch.bfloat16, device)
+    check(logits, torch.tensor([VOCAB - 1], device=device), reduction, True, **OPTIONS["all"])
+    check(logits, torch.tensor([0], device=device), reduction, False)
+
+
+def test_3d_and_non_contiguous(device):
+    logits = make_logits((2, 7, VOCAB), torch.bfloat16, device)
+    target = make_target(14, VOCAB, device).view(2, 7)
+    check(logits, target, "none")
+    for how in ("rows", "cols"):
+        check(non_contiguous(logits, how), target, "mean", **OPTIONS["all"])
+        check(non_contiguous(logits, how), target, "sum", True)
+
+
+def test_int32_target(device):
+    logits = make_logits((TOKENS, VOCAB), torch.float32, device)
+    check(logits, make_target(TOKENS, VOCAB, device).to(torch.int32), "mean")
+
+
+def test_custom_ignore_index(device):
+    logits = make_logits((TOKENS, VOCAB), torch.float32, device)
+    target = make_target(TOKENS, VOCAB, device, ignore_every=0)
+    target[::3] = 7  # a real class used as the ignore index
+    per, _, valid = reference_terms(logits.double(), target, ignore_index=7)
+    loss = cross_entropy(logits, target, ignore_index=7)
+    assert_close(loss, reduce_reference(per, valid, "mean"), torch.float32, "loss")
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_return_z_loss(device, reduction):
+    logits = make_logits((TOKENS, VOCAB), torch.float32, device)
+    target = make_target(TOKENS, VOCAB, device)
+    x = leaf(logits)
+    loss, z = cross_entropy(x, target, reduction=reduction, lse_square_scale=1e-2, return_z_loss=True)
+    per, z_ref, valid = reference_terms(logits.double(), target, lse_square_scale=1e-2)
+    assert_close(loss, reduce_reference(per, valid, reduction), torch.float32, "loss")
+    assert_close(z, reduce_reference(z_ref, valid, reduction), torch.float32, "z_loss")
+    assert not z.requires_grad  # for logging: the z-loss is already part of the loss
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_incoming_gradient(device, scale):
+    """A scalar incoming gradient (HF's loss / num_items_in_batch): skipped when 1, applied otherwise."""
+    logits = make_logits((TOKENS, VOCAB), torch.bfloat16, device)
+    target = make_target(TOKENS, VOCAB, device)
+    for in_place in (False, True):
+        check(logits, target, "sum", in_place, grad_scale=scale)
+
+
+def test_in_place_backward_writes_the_gradient_over_the_logits(device):
+    logits = make_logits((TOKENS, VOCAB), torch.bfloat16, device)
+    target = make_target(TOKENS, VOCAB, device)
+    base = leaf(logits)
+    x = base.clone()
+    version = x._version
+    loss = cross_entropy(x, target, in_place_backward=True)
+    assert x._version > version, "the overwritten logits must look modified to autograd"
+    grad, = torch.autograd.grad(loss, x)
+    assert grad.data_ptr() == x.data_ptr(), "the gradient must live in the logits' storage"
+    fresh = leaf(logits)
+    expected, = torch.autograd.grad(cross_entropy(fresh, target), fresh)
+    assert_close(grad, expected, torch.bfloat16, "dlogits")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_in_place_backward_twice(device, reduction):
+    """retain_graph=True: the gradient kept in the logits is handed over again, rescaled."""
+    logits = make_logits((TOKENS, VOCAB), torch.float32, device)
+    target = make_target(TOKENS, VOCAB, device)
+    ref = leaf(logits)
+    (cross_entropy(ref, target, reduction=reduction) * 1.0).sum().backward()
+    base = leaf(logits)
+    loss = cross_entropy(base.clone(), target, reduction=reduction, in_place_backward=True)
+    g = torch.ones_like(loss)
+    for _ in range(2):
+        base.grad = None
+        loss.backward(g, retain_graph=True)
+        assert_close(base.grad, ref.grad, torch.float32, "dlogits")
+    if reduction == "mean":
+        base.grad = None
+        loss.backward(torch.tensor(3.0), retain_graph=True)
+        assert_close(base.grad, 3 * ref.grad, torch.float32, "dlogits x3")
+    else:
+        with pytest.raises(RuntimeError, match="different per-token"):
+            loss.backward(2 * g)
+
+
+def test_in_place_backward_catches_saved_logits(device):
+    """Logits that another op saved for its backward cannot be overwritten silently."""
+    base = leaf(make_logits((TOKENS, VOCAB), torch.float32, device))
+    x = torch.tanh(base)  # tanh saves its output for backward
+    loss = cross_entropy(x, make_target(TOKENS, VOCAB, device), in_place_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_does_not_modify_caller_tensors(device):
+    logits = make_logits((TOKENS, VOCAB), torch.bfloat16, device)
+    target = make_target(TOKENS, VOCAB, device)
+    l0, t0 = logits.clone(), target.clone()
+    x = leaf(logits)
+    cross_entropy(x, target, **OPTIONS["all"]).backward()
+    assert torch.equal(x.detach(), l0) and torch.equal(target, t0)
+    # in_place_backward writes nothing when no gradient is wanted
+    cross_entropy(logits, target, in_place_backward=True)
+    assert torch.equal(logits, l0)
+    wants_grad = logits.clone().requires_grad_(True)
+    with torch.no_grad():
+        cross_entropy(wants_grad, target, in_place_backward=True)
+    assert torch.equal(wants_grad.detach(), l0)
+
+
+def test_deterministic(device):
+    logits = make_logits((TOKENS, VOCAB), torch.bfloat16, device)
+    target = make_target(TOKENS, VOCAB, device)
+    grads = []
+    for _ in range(2):
+        x = leaf(logits)
+        cross_entropy(x, target, **OPTIONS["all"]).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_bad_input(device):
+    x = randn(4, 10, device=device)
+    t = torch.tensor([1, 2, 3, IGNORE], device=device)
+    with pytest.raises(ValueError, match="target has 1 class indices outside"):
+        cross_entropy(x, torch.tensor([1, 2, 10, 3], device=device))
+    with pytest.raises(ValueError, match="target has 1 class indices outside"):
+        cross_entropy(x, torch.tensor([1, -1, 0, 3], device=device))
+    with pytest.raises(TypeError, match="target must be an int32 or int64 tensor"):
+        cross_entropy(x, t.to(torch.float32))
+    with pytest.raises(TypeError, match="target must be an int32 or int64"):
+        cross_entropy(x, t.to(torch.int16))
+    with pytest.raises(ValueError, match=r"target must have shape \(4,\)"):
+        cross_entropy(x, t[:3])
+    with pytest.raises(ValueError, match=r"target must have shape \(4,\)"):
+        cross_entropy(x, t.view(2, 2))
+    with pytest.raises(ValueError, match="logits must be"):
+        cross_entropy(randn(10, device=device), torch.tensor(1, device=device))
+    with pytest.raises(TypeError, match="logits must have a floating dtype"):
+        cross_entropy(torch.ones(4, 10, dtype=torch.int64, device=device), t)
+    with pytest.raises(ValueError, match="logits is empty"):
+        cross_entropy(randn(0, 10, device=device), t[:0])
+    with pytest.raises(ValueError, match="target is on meta"):
+        cross_entropy(x, torch.empty(4, dtype=torch.int64, device="meta"))
+    with pytest.raises(TypeError, match="target must be a torch.Tensor"):
+        cross_entropy(x, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(x, t, reduction="batchmean")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="lse_square_scale"):
+        cross_entropy(x, t, lse_square_scale=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        cross_entropy(x, t, softcap=0.0)
+    with pytest.raises(TypeError, match="ignore_index"):
+        cross_entropy(x, t, ignore_index=-100.0)

@@ -1,0 +1,325 @@
+"""Fused linear cross entropy forward and backward against a float64 reference of the eager head + loss
+(``cross_entropy(hidden @ W.T + b, target)``, logits rounded to the input dtype as the model's
+matmul rounds them), with the tokens forced into several chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onca.ops import fused_linear_cross_entropy as op
+from onca.ops.fused_linear_cross_entropy import chunk_plan, fused_linear_cross_entropy
+from tests.helpers import SCALE, assert_close, leaf, non_contiguous, randn, rounded
+from tests.ops.test_cross_entropy import IGNORE, OPTIONS, make_target, reduce_reference, reference_terms
+
+# (tokens, hidden, vocab): awkward vocabularies of real models scaled down on the CPU.
+SHAPES = {
+    "cpu": [(48, 32, 1000), (40, 24, 1519), (33, 16, 2621)],
+    "gpu": [(4096, 4096, 128256), (2048, 3584, 151936), (1024, 2048, 262144)],
+}[SCALE]
+BASE = SHAPES[0]
+CHUNK = {"cpu": 16, "gpu": 1024}[SCALE]  # forces several chunks
+
+
+def make_inputs(shape, dtype, device, bias=False, ignore_every=4):
+    tokens, hidden, vocab = shape
+    h = randn(tokens, hidden, dtype=dtype, device=device)
+    w = randn(vocab, hidden, dtype=dtype, device=device, std=hidden ** -0.5 * 2)
+    b = randn(vocab, dtype=dtype, device=device, std=0.5) if bias else None
+    return h, w, b, make_target(tokens, vocab, device, ignore_every)
+
+
+def reference(h, w, b, target, reduction="mean", **options):
+    """float64 loss of the eager computation, and its float64 leaves for the gradients."""
+    h64 = h.detach().to(torch.float64).requires_grad_(True)
+    w64 = w.detach().to(torch.float64).requires_grad_(True)
+    b64 = b.detach().to(torch.float64).requires_grad_(True) if b is not None else None
+    logits = h64.reshape(-1, h.shape[-1]) @ w64.T
+    if b64 is not None:
+        logits = logits + b64
+    logits = rounded(logits, h.dtype)  # the head's matmul output has the input dtype
+    per, z, valid = reference_terms(logits, target.reshape(-1), **options)
+    loss = reduce_reference(per, valid, reduction)
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    return loss, (h64, w64, b64), (z, valid)
+
+
+def check(h, w, b, target, reduction="mean", grad_scale=None, accum_dtype=None, chunk_tokens=CHUNK, **options):
+    dtype = h.dtype
+    hk, wk = leaf(h), leaf(w)
+    bk = leaf(b) if b is not None else None
+    loss = fused_linear_cross_entropy(hk, wk, target, bk, reduction=reduction, accum_dtype=accum_dtype,
+                                      chunk_tokens=chunk_tokens, **options)
+    ref, leaves, _ = reference(h, w, b, target, reduction, **options)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_close(loss, ref, dtype, "loss")
+    if grad_scale is None:
+        dy = randn(*ref.shape, device=h.device) if ref.dim() else torch.tensor(0.75, device=h.device)
+    else:
+        dy = torch.tensor(float(grad_scale), device=h.device)
+    loss.backward(dy)
+    ref.backward(dy.to(torch.float64))
+    h64, w64, b64 = leaves
+    assert_close(hk.grad, h64.grad, dtype, "dhidden")
+    assert_close(wk.grad, w64.grad, dtype, "dweight")
+    assert hk.grad.dtype == dtype and wk.grad.dtype == w.dtype
+    if b is not None:
+        assert_close(bk.grad, b64.grad, dtype, "dbias")
+    return loss, hk, wk, bk
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_reference(profile, device, dtype, reduction):
+    h, w, b, t = make_inputs(BASE, dtype, device)
+    check(h, w, b, t, reduction)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_options_with_bias(device, name, dtype):
+    h, w, b, t = make_inputs(BASE, dtype, device, bias=True)
+    check(h, w, b, t, "mean", **OPTIONS[name])
+    if name == "all":
+        check(h, w, b, t, "none", **OPTIONS[name])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_vocab_sizes_3d(profile, device, shape):
+    tokens, hidden, vocab = shape
+    h, w, _, t = make_inputs(shape, torch.bfloat16, device)
+    # (B, S, H) hidden states, as a causal LM's forward hands them over.
+    check(h.view(1, tokens, hidden), w, None, t.view(1, tokens), "mean", softcap=30.0)
+
+
+def test_column_tiled_cross_entropy(device, onchip_bytes):
+    forced = onchip_bytes(16384)
+    tokens, hidden, vocab = SHAPES[1]
+    assert op.plan(SHAPES[1], torch.bfloat16, forced)["cross_entropy"].col_tiles > 1
+    h, w, b, t = make_inputs(SHAPES[1], torch.bfloat16, device, bias=True)
+    check(h, w, b, t, "mean", **OPTIONS["all"])
+
+
+def test_chunks_from_free_memory(monkeypatch, device):
+    """Without chunk_tokens the chunks come from the free memory; a small budget forces several."""
+    tokens, hidden, vocab = BASE
+    itemsize = 4
+    free = int(20 * vocab * itemsize / op.FREE_FRACTION)  # room for ~20 tokens of logits
+    monkeypatch.setattr(op, "free_memory", lambda device=None: free)
+    plan = chunk_plan(tokens, hidden, vocab, torch.float32)
+    assert plan.n_chunks > 1 and plan.bytes_per_chunk <= free * op.FREE_FRACTION
+    seen = []
+    real = op.chunk_plan
+    monkeypatch.setattr(op, "chunk_plan", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    h, w, b, t = make_inputs(BASE, torch.float32, device, ignore_every=0)
+    check(h, w, b, t, "mean", chunk_tokens=None)
+    assert seen and seen[0].n_chunks > 1
+
+
+def test_chunk_plan_policy():
+    gib = 1 << 30
+    # Llama-3 head in bf16: CHUNK_TOKENS tokens of logits, not more than there are tokens.
+    p = chunk_plan(8192, 4096, 128256, torch.bfloat16, free_bytes=100 * gib)
+    assert p.chunk == op.CHUNK_TOKENS and p.n_chunks == 8192 // op.CHUNK_TOKENS
+    assert p.bytes_per_chunk == op.CHUNK_TOKENS * 128256 * 2
+    assert chunk_plan(100, 4096, 128256, torch.bfloat16, free_bytes=100 * gib).n_chunks == 1
+    # fp32 accumulation of dW moves twice the bytes per chunk: twice the tokens.
+    assert chunk_plan(8192, 4096, 128256, torch.bfloat16, accum_bytes=4, free_bytes=100 * gib).chunk == 2 * op.CHUNK_TOKENS
+    # Little free memory: the scratch shrinks to a fraction of it.
+    small = chunk_plan(8192, 4096, 128256, torch.bfloat16, free_bytes=256 << 20)
+    assert small.bytes_per_chunk <= (256 << 20) * op.FREE_FRACTION and small.chunk >= 16
+    # Gathered (some targets ignored): each token's hidden state and its gradient count too.
+    g = chunk_plan(8192, 4096, 128256, torch.bfloat16, gathered=True, chunk_tokens=100)
+    assert g.chunk == 100 and g.bytes_per_chunk == 100 * (128256 + 2 * 4096) * 2
+
+
+def test_every_token_ignored(device):
+    h, w, b, _ = make_inputs(BASE, torch.float32, device, bias=True)
+    t = torch.full((BASE[0],), IGNORE, device=device)
+    for reduction in ("mean", "sum", "none"):
+        hk, wk, bk = leaf(h), leaf(w), leaf(b)
+        loss, z = fused_linear_cross_entropy(hk, wk, t, bk, reduction=reduction, lse_square_scale=1e-3,
+                                             return_z_loss=True)
+        assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(z, torch.zeros_like(z))
+        loss.sum().backward()
+        for grad, ref in ((hk.grad, h), (wk.grad, w), (bk.grad, b)):
+            assert torch.equal(grad, torch.zeros_like(ref))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_one_token(device, reduction):
+    h, w, b, _ = make_inputs(BASE, torch.bfloat16, device, bias=True)
+    check(h[:1], w, b, torch.tensor([3], device=device), reduction, **OPTIONS["all"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_weight_gradient_accumulation(device, dtype):
+    h, w, b, t = make_inputs(BASE, dtype, device, bias=True)
+    check(h, w, b, t, "mean", accum_dtype=torch.float32)
+    check(h, w, b, t, "none", accum_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.125])
+def test_sum_divided_by_num_items_in_batch(device, scale):
+    """Hugging Face's gradient accumulation: reduction="sum", then loss / num_items_in_batch."""
+    h, w, _, t = make_inputs(BASE, torch.bfloat16, device)
+    hk, wk = leaf(h), leaf(w)
+    num_items = 1.0 / scale
+    loss = fused_linear_cross_entropy(hk, wk, t, reduction="sum", chunk_tokens=CHUNK) / num_items
+    ref, (h64, w64, _), _ = reference(h, w, None, t, "sum")
+    ref = ref / num_items
+    assert_close(loss, ref, torch.bfloat16, "loss")
+    loss.backward()
+    ref.backward()
+    assert_close(hk.grad, h64.grad, torch.bfloat16, "dhidden")
+    assert_close(wk.grad, w64.grad, torch.bfloat16, "dweight")
+
+
+def test_non_contiguous_hidden(device):
+    h, w, b, t = make_inputs(BASE, torch.bfloat16, device, bias=True)
+    for how in ("rows", "cols"):
+        check(non_contiguous(h, how), w, b, t, "mean")
+
+
+def test_frozen_head_and_frozen_hidden(monkeypatch, device):
+    h, w, _, t = make_inputs(BASE, torch.float32, device)
+    ref, (h64, w64, _), _ = reference(h, w, None, t)
+    ref.backward()
+    hk = leaf(h)
+    fused_linear_cross_entropy(hk, w, t, chunk_tokens=CHUNK).backward()  # LoRA-style frozen head
+    assert_close(hk.grad, h64.grad, torch.float32, "dhidden")
+    wk = leaf(w)
+    fused_linear_cross_entropy(h, wk, t, chunk_tokens=CHUNK).backward()
+    assert_close(wk.grad, w64.grad, torch.float32, "dweight")
+    calls = []
+    real = op._grad_buffers
+    monkeypatch.setattr(op, "_grad_buffers", lambda *a: calls.append(a) or real(*a))
+    with torch.no_grad():  # evaluation: the loss alone, no gradient matmuls
+        assert_close(fused_linear_cross_entropy(leaf(h), leaf(w), t), ref, torch.float32, "loss")
+    assert not calls
+
+
+def test_tied_embedding_weight(device):
+    """A head tied to the input embedding: both gradients reach the one shared parameter."""
+    vocab, hidden, batch, seq = 300, 16, 2, 9
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, hidden)
+            self.proj = torch.nn.Linear(hidden, hidden)
+
+        def hidden_states(self, ids):
+            return torch.tanh(self.proj(self.embed(ids)))
+
+    torch.manual_seed(1)
+    model = TinyLM().to(device)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    labels = torch.nn.functional.pad(ids, (0, 1), value=IGNORE)[:, 1:]  # shifted labels, last ignored
+    h = model.hidden_states(ids)
+    loss = fused_linear_cross_entropy(h, model.embed.weight, labels, chunk_tokens=4)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model.hidden_states(ids) @ model.embed.weight.T
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).double(), labels.reshape(-1))
+    ref.backward()
+    assert_close(loss, ref, torch.float32, "loss")
+    for name, p in model.named_parameters():
+        assert_close(ours[name], p.grad, torch.float32, name)
+
+
+def test_autocast(device):
+    """Under torch.autocast the head's matmul runs in the autocast dtype, as F.linear would."""
+    h, w, _, t = make_inputs(BASE, torch.float32, device)
+    hk, wk = leaf(h), leaf(w)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hk, wk, t, chunk_tokens=CHUNK)
+    ref, (h64, w64, _), _ = reference(h.to(torch.bfloat16), w.to(torch.bfloat16), None, t)
+    assert_close(loss, ref, torch.bfloat16, "loss")
+    loss.backward()
+    ref.backward()
+    assert wk.grad.dtype == torch.float32 and hk.grad.dtype == torch.float32
+    assert_close(hk.grad, h64.grad, torch.bfloat16, "dhidden")
+    assert_close(wk.grad, w64.grad, torch.bfloat16, "dweight")
+
+
+def test_return_z_loss(device):
+    h, w, b, t = make_inputs(BASE, torch.float32, device, bias=True)
+    for reduction in ("mean", "none"):
+        loss, z = fused_linear_cross_entropy(leaf(h), leaf(w), t, leaf(b), reduction=reduction,
+                                             lse_square_scale=1e-2, return_z_loss=True, chunk_tokens=CHUNK)
+        ref, _, (z_ref, valid) = reference(h, w, b, t, reduction, lse_square_scale=1e-2)
+        z_ref = reduce_reference(z_ref, valid, reduction)
+        assert_close(loss, ref, torch.float32, "loss")
+        assert_close(z, z_ref, torch.float32, "z_loss")
+        assert not z.requires_grad
+
+
+def test_does_not_modify_inputs_and_is_deterministic(device):
+    h, w, b, t = make_inputs(BASE, torch.bfloat16, device, bias=True)
+    copies = [x.clone() for x in (h, w, b, t)]
+    grads = []
+    for _ in range(2):
+        hk, wk, bk = leaf(h), leaf(w), leaf(b)
+        fused_linear_cross_entropy(hk, wk, t, bk, chunk_tokens=CHUNK).backward()
+        grads.append((hk.grad, wk.grad, bk.grad))
+    for x, c in zip((h, w, b, t), copies):
+        assert torch.equal(x, c)
+    for a, b_ in zip(*grads):
+        assert torch.equal(a, b_)
+
+
+def test_backward_twice(device):
+    """retain_graph=True (or a benchmark timing backward alone): the forward-pass gradients are handed
+    over again, rescaled to the new incoming gradient, unless someone modified them meanwhile."""
+    h, w, _, t = make_inputs(BASE, torch.float32, device)
+    ref, (h64, _, _), _ = reference(h, w, None, t)
+    ref.backward()
+    hk, wk = leaf(h), leaf(w)
+    loss = fused_linear_cross_entropy(hk, wk, t, chunk_tokens=CHUNK)
+    loss.backward(torch.tensor(2.0), retain_graph=True)
+    assert_close(hk.grad, 2 * h64.grad, torch.float32, "dhidden x2")
+    hk.grad = wk.grad = None
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    assert_close(hk.grad, 0.5 * h64.grad, torch.float32, "dhidden x0.5")
+    # Accumulating into .grad (which is the handed-over tensor) is still right: 0.5 + 0.5 ...
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    assert_close(hk.grad, h64.grad, torch.float32, "dhidden accumulated")
+    # ... but now the handed-over tensors were modified in place: a further backward is refused.
+    with pytest.raises(RuntimeError, match="modified after the first backward"):
+        loss.backward(torch.tensor(0.5))
+
+
+def test_bad_input(device):
+    h, w, b, t = make_inputs((8, 16, 50), torch.float32, device, bias=True)
+    f = fused_linear_cross_entropy
+    with pytest.raises(ValueError, match="target has 1 class indices outside"):
+        f(h, w, torch.tensor([0, 1, 2, 3, 4, 5, 6, 50], device=device))
+    with pytest.raises(TypeError, match="target must be an int32 or int64 tensor"):
+        f(h, w, t.float())
+    with pytest.raises(ValueError, match=r"target must have shape \(8,\)"):
+        f(h, w, t[:4])
+    with pytest.raises(ValueError, match="weight must be"):
+        f(h, w[:, :8], t)
+    with pytest.raises(ValueError, match="weight must be"):
+        f(h, w.reshape(-1), t)
+    with pytest.raises(TypeError, match="weight must have hidden's dtype"):
+        f(h, w.to(torch.bfloat16), t)
+    with pytest.raises(TypeError, match="hidden must have a floating dtype"):
+        f(h.to(torch.int64), w, t)
+    with pytest.raises(ValueError, match="hidden must be"):
+        f(h[0], w, t[0])
+    with pytest.raises(ValueError, match="bias must have shape"):
+        f(h, w, t, b[:10])
+    with pytest.raises(TypeError, match="bias must have hidden's dtype"):
+        f(h, w, t, b.double())
+    with pytest.raises(ValueError, match="accum_dtype"):
+        f(h, w, t, accum_dtype=torch.int32)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        f(h, w, t, chunk_tokens=0)
+    with pytest.raises(ValueError, match="reduction"):
+        f(h, w, t, reduction="batchmean")
+    with pytest.raises(ValueError, match="weight is on meta"):
+        f(h, torch.empty(50, 16, device="meta"), t)

@@ -1,0 +1,206 @@
+"""Fused linear JSD forward and backward against a float64 PyTorch reference that materialises both
+models' logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onca.ops import fused_linear_jsd as op
+from onca.ops.fused_linear_jsd import fused_linear_jsd
+from tests.helpers import SCALE, assert_close, leaf, randn
+from tests.ops.test_jsd import IGNORE, divergence_per_token, reduce_tokens
+
+# (tokens, student hidden, teacher hidden, vocab); vocabularies scaled down on the CPU.
+CASES = {
+    "cpu": [(50, 32, 48, 1519), (1, 16, 16, 1000), (33, 24, 24, 2621)],
+    "gpu": [(4096, 2048, 4096, 32000), (2048, 1024, 2048, 151936), (512, 512, 512, 262144)],
+}[SCALE]
+BASE = CASES[0]
+
+
+@pytest.fixture
+def chunk_tokens(monkeypatch):
+    """Force chunks of ``n`` tokens (a multiple of 16) by shrinking the free memory the planner sees."""
+
+    def force(n: int, vocab: int):
+        bytes_per_token = 2 * vocab * 4
+        monkeypatch.setattr(op, "free_memory", lambda device=None: 4 * n * bytes_per_token)
+        assert op.chunk_plan(10**6, vocab, 64).chunk == n
+
+    return force
+
+
+def make_inputs(tokens, hidden, teacher_hidden, vocab, dtype, device, ignore_every=0, batch=None):
+    lead = (tokens,) if batch is None else (batch, tokens // batch)
+    sh = randn(*lead, hidden, device=device).to(dtype)
+    sw = randn(vocab, hidden, device=device, std=hidden ** -0.5 * 2).to(dtype)
+    th = randn(*lead, teacher_hidden, device=device).to(dtype)
+    tw = randn(vocab, teacher_hidden, device=device, std=teacher_hidden ** -0.5 * 2).to(dtype)
+    labels = torch.randint(0, vocab, lead, device=device)
+    if ignore_every:
+        labels.view(-1)[::ignore_every] = IGNORE
+    return sh, sw, th, tw, labels
+
+
+def reference(sh, sw, th, tw, labels, beta, temperature, reduction="mean"):
+    sh64 = sh.detach().to(torch.float64).requires_grad_(True)
+    sw64 = sw.detach().to(torch.float64).requires_grad_(True)
+    log_q = torch.log_softmax(sh64 @ sw64.T / temperature, -1)
+    log_p = torch.log_softmax(th.to(torch.float64) @ tw.to(torch.float64).T / temperature, -1)
+    return reduce_tokens(divergence_per_token(log_q, log_p, beta), labels, reduction), sh64, sw64
+
+
+def check(sh, sw, th, tw, labels=None, beta=0.5, temperature=1.0, reduction="mean", grad=1.0):
+    shk, swk = leaf(sh), leaf(sw)
+    loss = fused_linear_jsd(shk, swk, th, tw, labels, beta, IGNORE, temperature, reduction)
+    ref, sh64, sw64 = reference(sh, sw, th, tw, labels, beta, temperature, reduction)
+    assert loss.dtype == sh.dtype and loss.shape == ()
+    assert_close(loss, ref, sh.dtype, "loss")
+    loss.backward(torch.tensor(grad, dtype=loss.dtype, device=sh.device))
+    (ref * grad).backward()
+    assert shk.grad.dtype == sh.dtype and swk.grad.dtype == sw.dtype
+    assert_close(shk.grad, sh64.grad, sh.dtype, "dstudent_hidden")
+    assert_close(swk.grad, sw64.grad, sw.dtype, "dstudent_weight")
+    return loss, shk.grad, swk.grad
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 0.7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_reference(profile, device, chunk_tokens, dtype, beta, temperature):
+    tokens, hidden, _, vocab = BASE
+    chunk_tokens(16, vocab)  # several chunks, the last one short
+    assert op.chunk_plan(tokens, vocab, hidden, device).n_chunks > 1
+    check(*make_inputs(*BASE, dtype, device, ignore_every=3), beta=beta, temperature=temperature)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_shapes(device, case):
+    check(*make_inputs(*case, torch.bfloat16, device, ignore_every=4), beta=0.3, temperature=1.5)
+
+
+def test_column_tiled_divergence(profile, device, onchip_bytes, chunk_tokens):
+    tokens, hidden, teacher_hidden, vocab = 20, 16, 24, 2621
+    forced = onchip_bytes(65536)
+    chunk_tokens(16, vocab)
+    plans = op.plan((tokens, hidden, vocab), torch.bfloat16, forced)
+    assert plans["divergence"].col_tiles > 1 and plans["chunks"].n_chunks > 1
+    check(*make_inputs(tokens, hidden, teacher_hidden, vocab, torch.bfloat16, device, ignore_every=5),
+          beta=0.5, temperature=2.0)
+
+
+def test_chunking_does_not_change_the_result(device, chunk_tokens):
+    """fp32: one chunk and many chunks agree to rounding; dW is summed chunk by chunk in order."""
+    inputs = make_inputs(*BASE, torch.float32, device, ignore_every=3)
+    one = check(*inputs)
+    chunk_tokens(16, BASE[-1])
+    many = check(*inputs)
+    for a, b in zip(one, many):
+        assert_close(a, b, torch.float32)
+    again = check(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(many, again)), "chunked dW must be deterministic"
+
+
+def test_three_dimensional_inputs_and_sum(device):
+    sh, sw, th, tw, labels = make_inputs(48, 32, 40, 1000, torch.float32, device, ignore_every=7, batch=3)
+    assert sh.shape == (3, 16, 32)
+    check(sh, sw, th, tw, labels, beta=0.5, reduction="sum", grad=0.5)
+    check(sh, sw, th, tw, labels.view(-1), beta=0.5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_every_token_ignored(device, temperature):
+    sh, sw, th, tw, labels = make_inputs(*BASE, torch.bfloat16, device)
+    labels.fill_(IGNORE)
+    loss, dh, dw = check(sh, sw, th, tw, labels, temperature=temperature)
+    assert loss.item() == 0 and torch.count_nonzero(dh) == 0 and torch.count_nonzero(dw) == 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_one_token(device, beta):
+    check(*make_inputs(1, 32, 32, 1519, torch.bfloat16, device), beta=beta, temperature=1.3)
+
+
+def test_without_labels(device):
+    sh, sw, th, tw, _ = make_inputs(*BASE, torch.float32, device)
+    check(sh, sw, th, tw, None, beta=0.5)
+
+
+def test_frozen_head_and_no_grad(device):
+    sh, sw, th, tw, labels = make_inputs(*BASE, torch.float32, device, ignore_every=3)
+    ref, sh64, _ = reference(sh, sw, th, tw, labels, 0.5, 1.0)
+    ref.backward()
+    shk = leaf(sh)
+    fused_linear_jsd(shk, sw, th, tw, labels).backward()  # the head does not require a gradient
+    assert_close(shk.grad, sh64.grad, torch.float32, "dstudent_hidden")
+    swk = leaf(sw)
+    fused_linear_jsd(sh, swk, th, tw, labels).backward()  # only the head does
+    assert swk.grad is not None
+    with torch.no_grad():
+        loss = fused_linear_jsd(leaf(sh), leaf(sw), th, tw, labels)
+    assert_close(loss, ref, torch.float32, "loss")
+    thk, twk = leaf(th), leaf(tw)
+    fused_linear_jsd(leaf(sh), leaf(sw), thk, twk, labels).backward()
+    assert thk.grad is None and twk.grad is None, "the teacher gets no gradient"
+
+
+def test_scaled_and_repeated_backward(device):
+    sh, sw, th, tw, labels = make_inputs(*BASE, torch.float32, device, ignore_every=3)
+    check(sh, sw, th, tw, labels, grad=-3.0)
+    shk, swk = leaf(sh), leaf(sw)
+    loss = fused_linear_jsd(shk, swk, th, tw, labels)
+    g1 = torch.autograd.grad(loss * 2.0, (shk, swk), retain_graph=True)
+    g2 = torch.autograd.grad(loss, (shk, swk))
+    assert torch.equal(g1[0], g2[0] * 2.0) and torch.equal(g1[1], g2[1] * 2.0)
+
+
+def test_does_not_modify_caller_tensors(device):
+    sh, sw, th, tw, labels = make_inputs(*BASE, torch.bfloat16, device, ignore_every=3)
+    before = [t.clone() for t in (sh, sw, th, tw, labels)]
+    fused_linear_jsd(leaf(sh), leaf(sw), th, tw, labels, temperature=2.0).backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, (sh, sw, th, tw, labels)))
+
+
+def test_chunk_plan_respects_budget(monkeypatch):
+    vocab, hidden = 128256, 4096
+    monkeypatch.setattr(op, "free_memory", lambda device=None: 80 << 30)
+    plan = op.chunk_plan(8192, vocab, hidden)
+    # Never the whole logits of 8192 tokens at once, and chunks long enough for the matmuls.
+    assert 1 < plan.n_chunks and plan.chunk >= op.MIN_CHUNK_TOKENS
+    assert plan.bytes_per_chunk <= max(vocab * hidden * 2, op.MIN_CHUNK_TOKENS * 8 * vocab)
+    monkeypatch.setattr(op, "free_memory", lambda device=None: 1 << 30)
+    assert op.chunk_plan(8192, vocab, hidden).bytes_per_chunk <= (1 << 30) // 4
+
+
+def test_bad_input(device):
+    sh, sw, th, tw, labels = make_inputs(8, 16, 24, 100, torch.float32, device)
+    with pytest.raises(ValueError, match="student_hidden must have last dimension 16"):
+        fused_linear_jsd(sh[:, :8], sw, th, tw)
+    with pytest.raises(ValueError, match="teacher_hidden must have last dimension 24"):
+        fused_linear_jsd(sh, sw, th[:, :8], tw)
+    with pytest.raises(ValueError, match="the two heads must share one vocabulary"):
+        fused_linear_jsd(sh, sw, th, tw[:99])
+    with pytest.raises(ValueError, match="teacher_hidden must have the student's tokens"):
+        fused_linear_jsd(sh, sw, th[:7], tw)
+    with pytest.raises(ValueError, match="student_weight must be 2-D"):
+        fused_linear_jsd(sh, sw[None], th, tw)
+    with pytest.raises(TypeError, match="student_hidden .* and student_weight .* must have one dtype"):
+        fused_linear_jsd(sh.to(torch.bfloat16), sw, th, tw)
+    with pytest.raises(TypeError, match="teacher_hidden must have a floating dtype"):
+        fused_linear_jsd(sh, sw, th.to(torch.int64), tw)
+    with pytest.raises(ValueError, match="beta"):
+        fused_linear_jsd(sh, sw, th, tw, beta=1.01)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_linear_jsd(sh, sw, th, tw, temperature=0.0)
+    with pytest.raises(ValueError, match="reduction"):
+        fused_linear_jsd(sh, sw, th, tw, reduction="none")
+    with pytest.raises(ValueError, match="labels must have shape"):
+        fused_linear_jsd(sh, sw, th, tw, labels[:5])
+    with pytest.raises(TypeError, match="labels must be an int32 or int64"):
+        fused_linear_jsd(sh, sw, th, tw, labels.float())
+    with pytest.raises(ValueError, match="teacher_weight is on meta"):
+        fused_linear_jsd(sh, sw, th, torch.empty(100, 24, device="meta"))
+    with pytest.raises(ValueError, match="student_hidden is empty"):
+        fused_linear_jsd(sh[:0], sw, th[:0], tw)
+    with pytest.raises(TypeError, match="teacher_weight must be a torch.Tensor"):
+        fused_linear_jsd(sh, sw, th, None)

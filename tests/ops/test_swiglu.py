@@ -1,0 +1,340 @@
+"""SwiGLU ``silu(a) * b`` (and the shared gated-activation machinery of ``onca.ops._glu``) forward
+and backward against a float64 PyTorch reference that rounds where the Hugging Face MLP rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onca.ops import _glu
+from onca.ops import swiglu as op
+from onca.ops.swiglu import swiglu, swiglu_linear
+from tests.helpers import DTYPES, SCALE, assert_close, leaf, non_contiguous, randn, rounded
+
+SHAPES = {
+    "cpu": [(1, 64), (1, 1), (37, 1000), (2, 3, 96), (5, 4100)],
+    "gpu": [(16384, 14336), (4, 2048, 11008), (3, 53248), (1, 4096), (4097, 3072)],
+}[SCALE]
+BASE_SHAPE = {"cpu": (2, 7, 300), "gpu": (8, 1024, 14336)}[SCALE]
+HIDDEN = {"cpu": 48, "gpu": 4096}[SCALE]
+
+ACTS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def reference(a, b, activation="silu"):
+    """``act(a) * b`` in float64, with ``act(a)`` rounded to the input dtype as the model stores it
+    (the rounding is transparent to the gradient: the kernel differentiates the activation)."""
+    a64 = a.detach().to(torch.float64).requires_grad_(True)
+    b64 = b.detach().to(torch.float64).requires_grad_(True)
+    h = ACTS[activation](a64)
+    h = h + (rounded(h, a.dtype) - h).detach()
+    return h * b64, a64, b64
+
+
+def layout_leaf(t):
+    """A grad-requiring copy of ``t`` in ``t``'s own layout (``tests.helpers.leaf`` clones, and a
+    clone of a view with gaps between its rows is contiguous: the strided path would go untested)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)
+    return out.requires_grad_(True)
+
+
+def run_op(a, b, activation, in_place=False, guard=False):
+    return _glu.glu(a, b, activation, in_place, guard)
+
+
+def check(a, b, activation="silu", in_place=False):
+    """Kernel vs reference, forward and backward (``dc`` random); returns the kernel's grads."""
+    ak, bk = layout_leaf(a), layout_leaf(b)
+    assert ak.stride() == a.stride() and bk.stride() == b.stride()
+    c = run_op(ak, bk, activation, in_place)
+    assert c.dtype == a.dtype and c.shape == a.shape
+    ref, a64, b64 = reference(a, b, activation)
+    assert_close(c, ref, a.dtype, "c")
+    dc = randn(*a.shape, dtype=a.dtype, device=a.device)
+    c.backward(dc)
+    ref.backward(dc.to(torch.float64))
+    assert_close(ak.grad, a64.grad, a.dtype, "da")
+    assert_close(bk.grad, b64.grad, a.dtype, "db")
+    return ak.grad, bk.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference(profile, device, dtype):
+    a = randn(*BASE_SHAPE, dtype=dtype, device=device, std=2.0)
+    b = randn(*BASE_SHAPE, dtype=dtype, device=device)
+    check(a, b)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shapes(device, shape, dtype):
+    check(randn(*shape, dtype=dtype, device=device, std=2.0), randn(*shape, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("activation", list(ACTS))
+def test_rounds_where_the_model_rounds(device, activation):
+    """act(a) is rounded to the input dtype before the product, in the forward and for db: in fp16
+    (rounded to nearest even here and on GPUs), c and db match the doubly rounded reference bit for
+    bit almost everywhere (exact erf: ~1%, fp32's 1 + erf(x) cancels for x << 0, as in PyTorch's
+    own fp32 gelu), where a single rounding differs on about a quarter of the elements."""
+    a = randn(64, 257, dtype=torch.float16, device=device, std=2.0)
+    b = randn(64, 257, dtype=torch.float16, device=device)
+    dc = randn(64, 257, dtype=torch.float16, device=device)
+    c = run_op(a, b, activation)
+    h = rounded(ACTS[activation](a.double()), torch.float16)
+    expected_c = (h * b.double()).half()
+    assert (c != expected_c).float().mean() < 0.03
+    bk = leaf(b)
+    (db,) = torch.autograd.grad(run_op(leaf(a), bk, activation), (bk,), dc)
+    assert (db != (h * dc.double()).half()).float().mean() < 0.03
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid
+def test_extreme_inputs_stay_finite(device):
+    """Saturated sigmoid: no NaN where silu and its gradient are finite."""
+    a = torch.tensor([[-1e4, -88.0, -30.0, -1e-30, 0.0, 1e-30, 30.0, 88.0, 1e4]], device=device)
+    check(a, torch.ones_like(a))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_gate_up_halves_without_copy(profile, device, dtype):
+    """Phi-3's layout: a and b are the halves of one (T, 2I) buffer, rows not contiguous."""
+    inter = BASE_SHAPE[-1]
+    gate_up = randn(*BASE_SHAPE[:-1], 2 * inter, dtype=dtype, device=device, std=2.0)
+    a, b = gate_up.chunk(2, dim=-1)
+    a2d, b2d, _ = _glu._split(a, b)
+    assert a2d.data_ptr() == a.data_ptr() and b2d.data_ptr() == b.data_ptr(), "the views were copied"
+    assert a2d.stride(0) == 2 * inter
+    check(a, b)
+    # b=None: the fused tensor itself; its gradient is one (..., 2I) tensor equal to the halves'.
+    gk, ak, bk = leaf(gate_up), leaf(a), leaf(b)
+    dc = randn(*a.shape, dtype=dtype, device=device)
+    c_fused = run_op(gk, None, "silu")
+    c_split = run_op(ak, bk, "silu")
+    assert torch.equal(c_fused, c_split)
+    c_fused.backward(dc)
+    c_split.backward(dc)
+    assert torch.equal(gk.grad, torch.cat([ak.grad, bk.grad], dim=-1))
+
+
+@pytest.mark.parametrize("how", ["rows", "cols"])
+def test_non_contiguous_input(device, how):
+    a = non_contiguous(randn(*BASE_SHAPE, device=device, std=2.0), how)
+    # b: rows 3x as far apart as they are wide, so a's and b's row strides always differ
+    b = torch.empty(*BASE_SHAPE[:-1], 3 * BASE_SHAPE[-1], device=device)[..., 5:5 + BASE_SHAPE[-1]]
+    b.copy_(randn(*BASE_SHAPE, device=device))
+    assert _glu._as_rows(a).stride(0) != _glu._as_rows(b).stride(0)
+    check(a, b)
+    check(a.transpose(0, 1), b.transpose(0, 1))  # leading dims that do not merge: copied
+    check_linear(a, b, randn(HIDDEN, BASE_SHAPE[-1], device=device, std=0.05), None, "silu", in_place=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_column_tiled_path(profile, device, onchip_bytes, dtype):
+    # An 8 KiB budget cannot hold a 520-wide row: every kernel loops over column tiles.
+    forced = onchip_bytes(8192)
+    cols = 520 if SCALE == "cpu" else 14336
+    plans = op.plan((9, cols), dtype, forced)
+    assert all(p.col_tiles > 1 for p in plans.values()), plans
+    # More rows than any profile has compute units: every program loops over several row blocks.
+    a = randn(5, 9, cols, dtype=dtype, device=device, std=2.0)
+    b = randn(5, 9, cols, dtype=dtype, device=device)
+    check(a, b)
+    if dtype == torch.bfloat16:
+        w = randn(HIDDEN, cols, dtype=dtype, device=device, std=0.05)
+        check_linear(a, b, w, None, "silu", in_place=True)
+
+
+def test_in_place_backward_overwrites_a_and_b(device):
+    a = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device, std=2.0)
+    b = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    dc = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    a1, b1 = leaf(a), leaf(b)
+    expected = torch.autograd.grad(swiglu(a1, b1), (a1, b1), dc)
+    a2, b2 = leaf(a), leaf(b)
+    out = swiglu(a2, b2, in_place=True)
+    da, db = torch.autograd.grad(out, (a2, b2), dc, retain_graph=True)
+    assert da.data_ptr() == a2.data_ptr() and db.data_ptr() == b2.data_ptr()
+    assert torch.equal(da, expected[0]) and torch.equal(db, expected[1])
+    # The bare op lets a benchmark backward again (on overwritten values); a guarded one refuses.
+    torch.autograd.grad(out, (a2, b2), dc, retain_graph=True)
+    a3, b3 = leaf(a), leaf(b)
+    guarded = swiglu(a3, b3, in_place=True, guard=True)
+    torch.autograd.grad(guarded, (a3, b3), dc, retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        torch.autograd.grad(guarded, (a3, b3), dc)
+    # Fused: the gradient is the fused buffer itself.
+    g = leaf(torch.cat([a, b], dim=-1))
+    (dg,) = torch.autograd.grad(swiglu(g, None, in_place=True), (g,), dc)
+    assert dg.data_ptr() == g.data_ptr()
+    assert torch.equal(dg, torch.cat(expected, dim=-1))
+
+
+def test_expanded_incoming_gradient(device):
+    """``c.sum().backward()`` hands the backward a stride-0 gradient."""
+    a = layout_leaf(randn(*BASE_SHAPE, device=device, std=2.0))
+    b = layout_leaf(randn(*BASE_SHAPE, device=device))
+    swiglu(a, b).sum().backward()
+    ref, a64, b64 = reference(a, b)
+    ref.sum().backward()
+    assert_close(a.grad, a64.grad, torch.float32, "da")
+    assert_close(b.grad, b64.grad, torch.float32, "db")
+
+
+def test_does_not_modify_caller_tensors(device):
+    a = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    b = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    w = randn(HIDDEN, BASE_SHAPE[-1], dtype=torch.bfloat16, device=device)
+    dc = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    dout = randn(*BASE_SHAPE[:-1], HIDDEN, dtype=torch.bfloat16, device=device)
+    saved = [t.clone() for t in (a, b, w, dc, dout)]
+    swiglu(leaf(a), leaf(b)).backward(dc)
+    swiglu_linear(leaf(a), leaf(b), leaf(w)).backward(dout)
+    assert all(torch.equal(t, s) for t, s in zip((a, b, w, dc, dout), saved))
+
+
+# ------------------------------------------------------------------------------- the MLP tail
+
+
+def linear_reference(a, b, w, bias, activation):
+    c, a64, b64 = reference(a, b, activation)
+    w64 = w.detach().to(torch.float64).requires_grad_(True)
+    bias64 = bias.detach().to(torch.float64).requires_grad_(True) if bias is not None else None
+    # The product is rounded to the input dtype before the matmul, as nn.Linear receives it.
+    c = c + (rounded(c, a.dtype) - c).detach()
+    return F.linear(c, w64, bias64), a64, b64, w64, bias64
+
+
+def check_linear(a, b, w, bias, activation, in_place=False, fused=False):
+    ak, bk = layout_leaf(a), layout_leaf(b)
+    wk = leaf(w)
+    biask = leaf(bias) if bias is not None else None
+    if fused:
+        gk = leaf(torch.cat([a, b], dim=-1))
+        out = _glu.glu_linear(gk, None, wk, biask, activation, in_place)
+    else:
+        out = _glu.glu_linear(ak, bk, wk, biask, activation, in_place)
+    ref, a64, b64, w64, bias64 = linear_reference(a, b, w, bias, activation)
+    assert out.dtype == a.dtype and out.shape == ref.shape
+    assert_close(out, ref, a.dtype, "out")
+    dout = randn(*ref.shape, dtype=a.dtype, device=a.device)
+    out.backward(dout)
+    ref.backward(dout.to(torch.float64))
+    if fused:
+        assert_close(gk.grad, torch.cat([a64.grad, b64.grad], dim=-1), a.dtype, "d_gate_up")
+    else:
+        assert_close(ak.grad, a64.grad, a.dtype, "da")
+        assert_close(bk.grad, b64.grad, a.dtype, "db")
+    assert_close(wk.grad, w64.grad, a.dtype, "dweight")
+    if bias is not None:
+        assert_close(biask.grad, bias64.grad, a.dtype, "dbias")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_place,fused,bias", [
+    (True, False, False), (False, True, True), (True, True, True), (False, False, True),
+])
+def test_linear_matches_reference(device, dtype, in_place, fused, bias):
+    a = randn(*BASE_SHAPE, dtype=dtype, device=device, std=2.0)
+    b = randn(*BASE_SHAPE, dtype=dtype, device=device)
+    w = randn(HIDDEN, BASE_SHAPE[-1], dtype=dtype, device=device, std=0.05)
+    bias_t = randn(HIDDEN, dtype=dtype, device=device) if bias else None
+    check_linear(a, b, w, bias_t, "silu", in_place, fused)
+
+
+def test_linear_keeps_no_product(device):
+    """Saved for backward: a, b and the weight; no (T, intermediate) product."""
+    a = leaf(randn(*BASE_SHAPE, device=device))
+    b = leaf(randn(*BASE_SHAPE, device=device))
+    w = leaf(randn(HIDDEN, BASE_SHAPE[-1], device=device))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        swiglu_linear(a, b, w)
+    expected = [a.data_ptr(), b.data_ptr(), w.data_ptr()]
+    assert [t.data_ptr() for t in saved] == expected, [t.shape for t in saved]
+
+
+def test_linear_in_place_refuses_second_backward(device):
+    a, b = leaf(randn(3, 40, device=device)), leaf(randn(3, 40, device=device))
+    w = leaf(randn(8, 40, device=device))
+    out = swiglu_linear(a, b, w, in_place=True)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="in_place=False"):
+        out.sum().backward()
+    out = swiglu_linear(leaf(a), leaf(b), w, in_place=False)
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+
+
+def test_linear_under_autocast(device):
+    """fp32 master weights, bf16 activations: the weight is cast as nn.Linear's would be."""
+    a = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device, std=2.0)
+    b = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
+    w = randn(HIDDEN, BASE_SHAPE[-1], device=device, std=0.05)
+    bias = randn(HIDDEN, device=device)
+    wk, biask, wr, biasr = leaf(w), leaf(bias), leaf(w), leaf(bias)
+    dout = randn(*BASE_SHAPE[:-1], HIDDEN, dtype=torch.bfloat16, device=device)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        out = swiglu_linear(leaf(a), leaf(b), wk, biask)
+        ref = F.linear(F.silu(a) * b, wr, biasr)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert_close(out, ref, torch.bfloat16, "out")
+    out.backward(dout)
+    ref.backward(dout)
+    assert wk.grad.dtype == torch.float32 and biask.grad.dtype == torch.float32
+    assert_close(wk.grad, wr.grad, torch.bfloat16, "dweight")
+    assert_close(biask.grad, biasr.grad, torch.bfloat16, "dbias")
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+def test_bad_input(device):
+    a, b = randn(4, 64, device=device), randn(4, 64, device=device)
+    w = randn(16, 64, device=device)
+    with pytest.raises(TypeError, match="a must have a floating dtype"):
+        swiglu(torch.ones(4, 64, dtype=torch.int32, device=device), b)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        swiglu([1.0], b)
+    with pytest.raises(TypeError, match="b must be a torch.Tensor"):
+        swiglu(a, 2.0)
+    with pytest.raises(TypeError, match="b must have a's dtype"):
+        swiglu(a, b.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="b must have a's shape"):
+        swiglu(a, randn(4, 32, device=device))
+    with pytest.raises(ValueError, match="b is on meta"):
+        swiglu(a, torch.empty(4, 64, device="meta"))
+    with pytest.raises(ValueError, match="a is empty"):
+        swiglu(randn(0, 64, device=device), randn(0, 64, device=device))
+    with pytest.raises(ValueError, match="even last dimension"):
+        swiglu(randn(4, 63, device=device))
+    with pytest.raises(ValueError, match="a and b in separate memory"):
+        swiglu(a, a, in_place=True)
+    with pytest.raises(TypeError, match="in_place must be a bool"):
+        swiglu(a, b, in_place="yes")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        _glu.glu(a, b, "relu")
+    with pytest.raises(ValueError, match=r"weight must be 2-D \(out_features, 64\)"):
+        swiglu_linear(a, b, randn(16, 32, device=device))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        swiglu_linear(a, b, w, randn(8, device=device))
+    with pytest.raises(TypeError, match="weight must have the activations' dtype"):
+        swiglu_linear(a, b, w.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="bias must have a floating dtype"):
+        swiglu_linear(a, b, w, torch.ones(16, dtype=torch.int64, device=device))
+
+
+def test_plan_keys_and_gpu_tiles():
+    from onca.device import PROFILES
+
+    plans = op.plan((16384, 14336), torch.bfloat16, PROFILES["h100"])
+    assert set(plans) == {"forward", "backward", "product_backward"}
+    for p in plans.values():
+        assert p.block_cols * p.col_tiles >= 14336 and p.tile_bytes <= p.onchip_bytes
