@@ -17,9 +17,12 @@ also the second output, so it costs no memory) and one fp32 ``rstd`` per row; th
 is recomputed. With ``in_place=True`` the backward pass writes that gradient into the storage of
 the incoming gradient of the normalised output.
 
-Each kernel has a single-pass path and a column-tiled path (reduce over the row's tiles, then
-apply; the second pass recomputes ``x + residual`` from the inputs rather than reading back
-``h``), chosen by the plan. ``dW`` is reduced deterministically into per-program partial rows.
+Each kernel has a single-pass path and a column-tiled path, chosen by the plan, structured as
+``onca.ops.rms_norm``'s: the tiled forward reduces over the row's tiles, then applies (the second
+pass recomputes ``x + residual`` from the inputs rather than reading back ``h``); the tiled
+backward first computes each row's ``mean(dn * n)``, then walks column tile by column tile over
+all of its program's rows with the tile's ``dW`` in registers. ``dW`` is reduced deterministically
+from per-program partial rows.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
+from onca.ops._partials import sum_partials
 from onca.ops._validate import as_rows, check_float, check_last_dim, check_nonempty, check_same_device
 from onca.ops.rms_norm import CASTING_MODES, _normalized, _scale
 from onca.tiling import RowPlan, plan_rows
@@ -39,9 +43,6 @@ __all__ = ["fused_add_rms_norm", "FusedAddRMSNormFunction", "CASTING_MODES", "pl
 
 # Live tiles of each kernel, counted as the planner expects: tiles in the input dtype, fp32 tiles.
 FORWARD_TILES = dict(live_tiles=4, fp32_tiles=2)  # x, r, w, y (h replaces x + r); h and y in fp32
-# The column-tiled forward keeps x, r and h of a tile alive at once (and the next tile's loads in
-# flight), so it declares more: without it its 8192-wide bf16 tiles spill on sm_90.
-TILED_FORWARD_TILES = dict(live_tiles=4, fp32_tiles=4)
 BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=5)  # h, dy, d_res, w, dx; h, dy, n, dn, dx in fp32
 
 
@@ -113,7 +114,7 @@ def _fused_add_rms_norm_forward_kernel(
 
 @triton.jit
 def _fused_add_rms_norm_backward_kernel(
-    dy_ptr, dres_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    dy_ptr, dres_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, c_ptr,
     n_rows, n_cols, dy_row_stride, dres_row_stride, h_row_stride, dx_row_stride, offset,
     HAS_DRES: tl.constexpr,
     CASTING: tl.constexpr,
@@ -131,7 +132,6 @@ def _fused_add_rms_norm_backward_kernel(
     dw_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
     if COL_TILES == 1:
         col_mask = col_offsets < n_cols
-        w = tl.load(w_ptr + col_offsets, mask=col_mask, other=0.0)
         dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -144,6 +144,9 @@ def _fused_add_rms_norm_backward_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             n = _normalized(h.to(tl.float32), rstd, CASTING, X_DTYPE)
             dw_acc += tl.sum(dy * n, axis=0)
+            # The weight is reloaded per row block (an L1 hit) rather than held in registers
+            # across the loop, beside the dW accumulator.
+            w = tl.load(w_ptr + col_offsets, mask=col_mask, other=0.0)
             dn = _scale(dy, w, offset, CASTING, X_DTYPE)
             c = tl.sum(dn * n, axis=1) / n_cols
             dx = (dn - n * c[:, None]) * rstd[:, None]
@@ -154,6 +157,7 @@ def _fused_add_rms_norm_backward_kernel(
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dw_row + col_offsets, dw_acc, mask=col_mask)
     else:
+        # Phase 1, row by row: c = mean(dn * n) of each of this program's rows, kept in `c_ptr`.
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
@@ -169,15 +173,26 @@ def _fused_add_rms_norm_backward_kernel(
                 w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
                 n = _normalized(h.to(tl.float32), rstd, CASTING, X_DTYPE)
                 dot += tl.sum(_scale(dy.to(tl.float32), w, offset, CASTING, X_DTYPE) * n, axis=1)
-            c = dot / n_cols
-            for tile in range(COL_TILES):
-                cols = tile * BLOCK_COLS + col_offsets
-                col_mask = cols < n_cols
+            tl.store(c_ptr + rows, dot / n_cols, mask=row_mask)
+        # The rows' c were written by other threads of this program.
+        tl.debug_barrier()
+        # Phase 2, column tile by column tile: dx of every row of this program, and the tile's dW
+        # summed over them in registers (no read-modify-write of the partial row).
+        for tile in range(COL_TILES):
+            cols = tile * BLOCK_COLS + col_offsets
+            col_mask = cols < n_cols
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+            dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            for row_block in tl.range(pid, n_row_blocks, n_programs):
+                rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+                row_mask = rows < n_rows
+                rows64 = rows.to(tl.int64)[:, None]
                 mask = row_mask[:, None] & col_mask[None, :]
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                c = tl.load(c_ptr + rows, mask=row_mask, other=0.0)
                 h = tl.load(h_ptr + rows64 * h_row_stride + cols[None, :], mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
                 dy = dy.to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
                 n = _normalized(h.to(tl.float32), rstd, CASTING, X_DTYPE)
                 dn = _scale(dy, w, offset, CASTING, X_DTYPE)
                 dx = (dn - n * c[:, None]) * rstd[:, None]
@@ -186,8 +201,8 @@ def _fused_add_rms_norm_backward_kernel(
                     dx += dres.to(tl.float32)
                 tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :],
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                partial = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                tl.store(dw_row + cols, partial + tl.sum(dy * n, axis=0), mask=col_mask)
+                dw_acc += tl.sum(dy * n, axis=0)
+            tl.store(dw_row + cols, dw_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -197,16 +212,9 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     """The forward and backward plans for inputs of ``shape`` (``(..., hidden)``)."""
     rows, cols = _rows_cols(shape)
     return {
-        "forward": _forward_plan(rows, cols, dtype, profile),
+        "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
         "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
     }
-
-
-def _forward_plan(rows: int, cols: int, dtype: torch.dtype, profile: DeviceProfile | None = None) -> RowPlan:
-    p = plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES)
-    if p.col_tiles > 1:
-        p = plan_rows(rows, cols, dtype, profile=profile, **TILED_FORWARD_TILES)
-    return p
 
 
 def _rows_cols(shape) -> tuple[int, int]:
@@ -216,7 +224,7 @@ def _rows_cols(shape) -> tuple[int, int]:
 
 def fused_add_rms_norm_forward(x2d, r2d, weight, eps: float, offset: float, casting: int):
     rows, cols = x2d.shape
-    p = _forward_plan(rows, cols, x2d.dtype)
+    p = plan_rows(rows, cols, x2d.dtype, **FORWARD_TILES)
     y = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
     h = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2d.device)
@@ -231,7 +239,7 @@ def fused_add_rms_norm_forward(x2d, r2d, weight, eps: float, offset: float, cast
 
 
 def fused_add_rms_norm_backward(dy2d, dres2d, h2d, weight, rstd, offset: float, casting: int, in_place: bool):
-    """The gradient reaching ``x`` and ``residual`` (one tensor) and fp32 ``dW``.
+    """The gradient reaching ``x`` and ``residual`` (one tensor) and ``dW`` in the weight's dtype.
 
     ``dres2d`` may be None (the residual output took no gradient). With ``in_place`` the result
     is written into ``dy2d``'s storage.
@@ -239,20 +247,20 @@ def fused_add_rms_norm_backward(dy2d, dres2d, h2d, weight, rstd, offset: float, 
     rows, cols = h2d.shape
     p = plan_rows(rows, cols, h2d.dtype, persistent=True, **BACKWARD_TILES)
     dx = dy2d if in_place else torch.empty((rows, cols), dtype=h2d.dtype, device=h2d.device)
-    # The column-tiled path accumulates into the partial rows, so it needs them zeroed; the
-    # single-pass path writes every row once (each program of the grid has at least one row block).
-    alloc = torch.zeros if p.col_tiles > 1 else torch.empty
-    dw_partial = alloc((p.grid, cols), dtype=torch.float32, device=h2d.device)
+    # Every program writes its whole row of partials (each has at least one row block).
+    dw_partial = torch.empty((p.grid, cols), dtype=torch.float32, device=h2d.device)
+    # The column-tiled path keeps each row's mean(dn * n) between its two phases.
+    c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=h2d.device)
     has_dres = dres2d is not None
     _fused_add_rms_norm_backward_kernel[(p.grid,)](
-        dy2d, dres2d if has_dres else dy2d, h2d, weight, rstd, dx, dw_partial,
+        dy2d, dres2d if has_dres else dy2d, h2d, weight, rstd, dx, dw_partial, c,
         rows, cols, dy2d.stride(0), dres2d.stride(0) if has_dres else 0, h2d.stride(0), dx.stride(0),
         offset,
         HAS_DRES=has_dres, CASTING=casting,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
-    return dx, dw_partial.sum(dim=0)
+    return dx, sum_partials(dw_partial, weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -293,7 +301,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
             dy2d, dres2d, h2d, weight, rstd, ctx.offset, ctx.casting, in_place
         )
         dx = dx.view(shape)
-        return dx, dx, dw.to(weight.dtype), None, None, None, None
+        return dx, dx, dw, None, None, None, None
 
 
 def _validate(x, residual, weight, eps, casting_mode) -> int:

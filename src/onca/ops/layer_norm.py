@@ -15,7 +15,10 @@ row it holds on chip before squaring (two-step variance). The column-tiled forwa
 row's statistics tile by tile: each tile's count, mean and sum of squared deviations from its own
 mean (of the row shifted by its first element), merged into the running ones with Chan et al.'s
 pairwise update, then applies the normalisation in a second pass. Both stay accurate when
-``|mean| >> std``, where ``E[x**2] - E[x]**2`` in fp32 loses the variance entirely. ``dW`` and ``dB`` are reduced deterministically: each program of a persistent grid sums its
+``|mean| >> std``, where ``E[x**2] - E[x]**2`` in fp32 loses the variance entirely. The
+column-tiled backward first computes each row's ``mean(w * dy * xhat)`` and ``mean(w * dy)``, then
+walks column tile by column tile over all of its program's rows, so that the tile's ``dW`` and
+``dB`` stay in registers. ``dW`` and ``dB`` are reduced deterministically: each program of a persistent grid sums its
 rows into its own row of a partial buffer, and the partials are summed once at the end.
 """
 
@@ -28,6 +31,7 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
+from onca.ops._partials import sum_partials
 from onca.ops._validate import as_rows, check_float, check_nonempty, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
@@ -35,9 +39,6 @@ __all__ = ["layer_norm", "LayerNormFunction", "plan"]
 
 # Live tiles of each kernel, counted as the planner expects: tiles in the input dtype, fp32 tiles.
 FORWARD_TILES = dict(live_tiles=4, fp32_tiles=2)  # x, w, b, y; x - mean and y in fp32
-# The column-tiled forward keeps a tile's loads of both passes and the running statistics in
-# flight, so it declares more: without it its 8192-wide bf16 tiles spill on sm_90.
-TILED_FORWARD_TILES = dict(live_tiles=4, fp32_tiles=4)
 BACKWARD_TILES = dict(live_tiles=4, fp32_tiles=6)  # x, dy, w, dx; x, dy, xhat, w*dy, dx, dW/dB sums
 
 
@@ -127,7 +128,7 @@ def _layer_norm_forward_kernel(
 
 @triton.jit
 def _layer_norm_backward_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, c_ptr,
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride,
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
@@ -147,8 +148,6 @@ def _layer_norm_backward_kernel(
     db_row = db_partial_ptr + pid.to(tl.int64) * n_cols
     if COL_TILES == 1:
         col_mask = col_offsets < n_cols
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + col_offsets, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         for row_block in tl.range(pid, n_row_blocks, n_programs):
@@ -163,12 +162,15 @@ def _layer_norm_backward_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             # Masked columns load x = 0, so xhat is not 0 there; dy = 0 there keeps every sum exact.
             xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+            # The parameter gradients first, so that dy's registers are free for g (the
+            # accumulators already hold two fp32 values per column for the whole loop).
             if COMPUTE_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
             if COMPUTE_DB:
                 db_acc += tl.sum(dy, axis=0)
             if HAS_WEIGHT:
-                g = dy * w[None, :]
+                # Reloaded per row block (an L1 hit) rather than held in registers across the loop.
+                g = dy * tl.load(w_ptr + col_offsets, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             else:
                 g = dy
             c1 = tl.sum(g * xhat, axis=1) / n_cols
@@ -181,6 +183,8 @@ def _layer_norm_backward_kernel(
         if COMPUTE_DB:
             tl.store(db_row + col_offsets, db_acc, mask=col_mask)
     else:
+        # Phase 1, row by row: c1 = mean(g * xhat) and c2 = mean(g) of each of this program's
+        # rows, kept in `c_ptr` (c1 at [row], c2 at [n_rows + row]).
         for row_block in tl.range(pid, n_row_blocks, n_programs):
             rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
@@ -201,29 +205,47 @@ def _layer_norm_backward_kernel(
                 xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
                 sum_gx += tl.sum(g * xhat, axis=1)
                 sum_g += tl.sum(g, axis=1)
-            c1 = sum_gx / n_cols
-            c2 = sum_g / n_cols
-            for tile in range(COL_TILES):
-                cols = tile * BLOCK_COLS + col_offsets
-                col_mask = cols < n_cols
+            tl.store(c_ptr + rows, sum_gx / n_cols, mask=row_mask)
+            tl.store(c_ptr + n_rows + rows, sum_g / n_cols, mask=row_mask)
+        # The rows' c1 and c2 were written by other threads of this program.
+        tl.debug_barrier()
+        # Phase 2, column tile by column tile: dx of every row of this program, and the tile's dW
+        # and dB summed over them in registers (no read-modify-write of the partial rows).
+        for tile in range(COL_TILES):
+            cols = tile * BLOCK_COLS + col_offsets
+            col_mask = cols < n_cols
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            for row_block in tl.range(pid, n_row_blocks, n_programs):
+                rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+                row_mask = rows < n_rows
+                rows64 = rows.to(tl.int64)[:, None]
                 mask = row_mask[:, None] & col_mask[None, :]
+                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                c1 = tl.load(c_ptr + rows, mask=row_mask, other=0.0)
+                c2 = tl.load(c_ptr + n_rows + rows, mask=row_mask, other=0.0)
                 x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
                 dy = dy.to(tl.float32)
                 xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
                 if HAS_WEIGHT:
-                    g = dy * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                    g = dy * w[None, :]
                 else:
                     g = dy
                 dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
                 tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :],
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 if COMPUTE_DW:
-                    partial = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row + cols, partial + tl.sum(dy * xhat, axis=0), mask=col_mask)
+                    dw_acc += tl.sum(dy * xhat, axis=0)
                 if COMPUTE_DB:
-                    partial = tl.load(db_row + cols, mask=col_mask, other=0.0)
-                    tl.store(db_row + cols, partial + tl.sum(dy, axis=0), mask=col_mask)
+                    db_acc += tl.sum(dy, axis=0)
+            if COMPUTE_DW:
+                tl.store(dw_row + cols, dw_acc, mask=col_mask)
+            if COMPUTE_DB:
+                tl.store(db_row + cols, db_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -233,16 +255,9 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     """The forward and backward plans for an input of ``shape`` (``(..., hidden)``)."""
     rows, cols = _rows_cols(shape)
     return {
-        "forward": _forward_plan(rows, cols, dtype, profile),
+        "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
         "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
     }
-
-
-def _forward_plan(rows: int, cols: int, dtype: torch.dtype, profile: DeviceProfile | None = None) -> RowPlan:
-    p = plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES)
-    if p.col_tiles > 1:
-        p = plan_rows(rows, cols, dtype, profile=profile, **TILED_FORWARD_TILES)
-    return p
 
 
 def _rows_cols(shape) -> tuple[int, int]:
@@ -252,7 +267,7 @@ def _rows_cols(shape) -> tuple[int, int]:
 
 def layer_norm_forward(x2d: torch.Tensor, weight, bias, eps: float):
     rows, cols = x2d.shape
-    p = _forward_plan(rows, cols, x2d.dtype)
+    p = plan_rows(rows, cols, x2d.dtype, **FORWARD_TILES)
     y = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
     mean = torch.empty(rows, dtype=torch.float32, device=x2d.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2d.device)
@@ -268,29 +283,28 @@ def layer_norm_forward(x2d: torch.Tensor, weight, bias, eps: float):
 
 
 def layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw: bool, compute_db: bool):
-    """``dx`` and the fp32 sums ``dW`` / ``dB`` (None where not computed)."""
+    """``dx`` and the per-program fp32 partial sums of ``dW`` and ``dB`` (``(programs, cols)``;
+    meaningless where not computed), to be reduced with ``sum_partials``."""
     rows, cols = x2d.shape
     p = plan_rows(rows, cols, x2d.dtype, persistent=True, **BACKWARD_TILES)
     dx = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
     n_partials = int(compute_dw) + int(compute_db)
-    # The column-tiled path accumulates into the partial rows, so it needs them zeroed; the
-    # single-pass path writes every row once (each program of the grid has at least one row block).
-    # With neither gradient asked for, a placeholder (never read or written) stands in.
-    alloc = torch.zeros if p.col_tiles > 1 else torch.empty
+    # Every program writes its whole rows (each has at least one row block); with neither gradient
+    # asked for, a placeholder (never read or written) stands in.
     shape = (n_partials, p.grid, cols) if n_partials else (1, 1, 1)
-    partials = alloc(shape, dtype=torch.float32, device=x2d.device)
+    partials = torch.empty(shape, dtype=torch.float32, device=x2d.device)
     dw_partial = partials[0]
     db_partial = partials[n_partials - 1] if compute_db else partials[0]
+    # The column-tiled path keeps each row's mean(g * xhat) and mean(g) between its two phases.
+    c = rstd if p.single_pass else torch.empty(2 * rows, dtype=torch.float32, device=x2d.device)
     _layer_norm_backward_kernel[(p.grid,)](
-        dy2d, x2d, x2d if weight is None else weight, mean, rstd, dx, dw_partial, db_partial,
+        dy2d, x2d, x2d if weight is None else weight, mean, rstd, dx, dw_partial, db_partial, c,
         rows, cols, dy2d.stride(0), x2d.stride(0), dx.stride(0),
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
-    dw = dw_partial.sum(dim=0) if compute_dw else None
-    db = db_partial.sum(dim=0) if compute_db else None
-    return dx, dw, db
+    return dx, dw_partial, db_partial
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -318,9 +332,9 @@ class LayerNormFunction(torch.autograd.Function):
         dy2d = as_rows(dy.reshape(-1, dy.shape[-1]))
         compute_dw = weight is not None and ctx.needs_input_grad[1]
         compute_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        dx, dw, db = layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw, compute_db)
-        dw = None if dw is None else dw.to(weight.dtype)
-        db = None if db is None else db.to(ctx.bias_dtype)
+        dx, dw_partial, db_partial = layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw, compute_db)
+        dw = sum_partials(dw_partial, weight.dtype) if compute_dw else None
+        db = sum_partials(db_partial, ctx.bias_dtype) if compute_db else None
         return dx.view(ctx.x_shape), dw, db, None
 
 
