@@ -1,9 +1,12 @@
 """Deterministic reduction of per-program partial sums (weight and bias gradients).
 
-Kernels that reduce across rows give each program of a persistent grid its own fp32 row of a
-``(programs, cols)`` buffer. ``sum_partials`` adds the rows in a fixed order, column tiles in
-parallel: the same bits on every run, no atomics, and one small launch (``torch.sum`` over dim 0 of
-a few hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB).
+Kernels that reduce across rows accumulate, per program of a persistent grid, one fp32 row of
+partial sums. Programs ``p`` and ``p + rows`` share row ``p`` of a zeroed ``(rows, cols)`` buffer,
+``rows = ceil(grid / 2)``, adding into it atomically: with at most two contributions to a zero, the
+result does not depend on their order (``0 + a + b == 0 + b + a`` exactly, floating-point addition
+being commutative), so this halves the buffer and stays bitwise deterministic. ``sum_partials``
+then adds the rows in a fixed order, column tiles in parallel (``torch.sum`` over dim 0 of a few
+hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB).
 """
 
 from __future__ import annotations
@@ -27,6 +30,24 @@ def _sum_partials_kernel(src_ptr, dst_ptr, n_rows, n_cols,
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         acc += tl.load(src_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
     tl.store(dst_ptr + cols, tl.sum(acc, axis=0).to(dst_ptr.dtype.element_ty), mask=col_mask)
+
+
+def partial_buffer(grid: int, cols: int, device) -> torch.Tensor:
+    """The zeroed ``(ceil(grid / 2), cols)`` fp32 buffer that ``accumulate_partial`` adds into."""
+    return torch.zeros(((grid + 1) // 2, cols), dtype=torch.float32, device=device)
+
+
+@triton.jit
+def partial_row(buffer_ptr, n_cols):
+    """This program's row of a ``partial_buffer``: shared with at most one other program."""
+    rows = (tl.num_programs(0) + 1) // 2
+    return buffer_ptr + (tl.program_id(0) % rows).to(tl.int64) * n_cols
+
+
+@triton.jit
+def accumulate_partial(row_ptr, cols, values, mask):
+    """Add ``values`` into this program's partial row (order-independent: two adds to a zero)."""
+    tl.atomic_add(row_ptr + cols, values, mask=mask, sem="relaxed")
 
 
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

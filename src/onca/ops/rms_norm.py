@@ -14,8 +14,9 @@ Each kernel has a single-pass path (a whole row, or several, in one tile) and a 
 chosen by the plan. The tiled forward reduces over the row's tiles, then applies (the second read
 mostly hits L2). The tiled backward first computes each row's ``mean(dn * n)``, then walks column
 tile by column tile over all of its program's rows, so that the tile's ``dW`` stays in registers.
-``dW`` is reduced deterministically: each program of a persistent grid sums its rows into its own
-row of a partial buffer, and the partials are summed once at the end.
+``dW`` is reduced deterministically: each program of a persistent grid sums its rows in registers
+and adds them to a partial row it shares with at most one other program (see ``_partials``), and
+the partial rows are summed once at the end.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
-from onca.ops._partials import sum_partials
+from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._validate import as_rows, check_float, check_last_dim, check_nonempty, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
@@ -119,8 +120,8 @@ def _rms_norm_backward_kernel(
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    # This program's own row of the partial-sum buffer: no other program writes it.
-    dw_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
+    # This program's row of the partial-sum buffer, shared with at most one other program.
+    dw_row = partial_row(dw_partial_ptr, n_cols)
     if COL_TILES == 1:
         col_mask = col_offsets < n_cols
         w = tl.load(w_ptr + col_offsets, mask=col_mask, other=0.0)
@@ -141,7 +142,7 @@ def _rms_norm_backward_kernel(
             dx = (dn - n * c[:, None]) * rstd[:, None]
             tl.store(dx_ptr + rows64 * dx_row_stride + col_offsets[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dw_row + col_offsets, dw_acc, mask=col_mask)
+        accumulate_partial(dw_row, col_offsets, dw_acc, col_mask)
     else:
         # Phase 1, row by row: c = mean(dn * n) of each of this program's rows, kept in `c_ptr`.
         for row_block in tl.range(pid, n_row_blocks, n_programs):
@@ -185,7 +186,7 @@ def _rms_norm_backward_kernel(
                 tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :],
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 dw_acc += tl.sum(dy * n, axis=0)
-            tl.store(dw_row + cols, dw_acc, mask=col_mask)
+            accumulate_partial(dw_row, cols, dw_acc, col_mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -228,7 +229,7 @@ def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, casting: int, in_p
     rows, cols = x2d.shape
     p = plan_rows(rows, cols, x2d.dtype, persistent=True, **BACKWARD_TILES)
     dx = dy2d if in_place else torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
-    dw_partial = torch.empty((p.grid, cols), dtype=torch.float32, device=x2d.device)
+    dw_partial = partial_buffer(p.grid, cols, x2d.device)
     # The column-tiled path keeps each row's mean(dn * n) between its two phases.
     c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=x2d.device)
     _rms_norm_backward_kernel[(p.grid,)](
