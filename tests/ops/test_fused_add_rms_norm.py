@@ -100,7 +100,8 @@ def test_non_contiguous_inputs(profile, device, dtype):
 
 @pytest.mark.parametrize(
     "casting, dtype",
-    [("llama", torch.float32), ("llama", torch.bfloat16), ("gemma", torch.bfloat16), ("none", torch.bfloat16)],
+    [("llama", torch.float32), ("llama", torch.bfloat16), ("gemma", torch.bfloat16),
+     ("none", torch.bfloat16)],
     ids=str,
 )
 def test_column_tiled_path(profile, device, onchip_bytes, monkeypatch, casting, dtype):

@@ -63,7 +63,9 @@ class FusedAddRMSNorm(nn.Module):
     def variance_epsilon(self, value: float) -> None:
         self.eps = value
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_add_rms_norm(
             hidden_states, residual, self.weight, self.eps, self.offset, self.casting_mode, self.in_place
         )

@@ -22,7 +22,7 @@ Each kernel has a single-pass path and a column-tiled path, chosen by the plan, 
 pass recomputes ``x + residual`` from the inputs rather than reading back ``h``); the tiled
 backward first computes each row's ``mean(dn * n)``, then walks column tile by column tile over
 all of its program's rows with the tile's ``dW`` in registers. ``dW`` is reduced deterministically
-from per-program partial rows.
+from partial rows each shared by at most two programs (see ``onca.ops._partials``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
-from onca.ops._partials import sum_partials
+from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._validate import as_rows, check_float, check_last_dim, check_nonempty, check_same_device
 from onca.ops.rms_norm import CASTING_MODES, _normalized, _scale
 from onca.tiling import RowPlan, plan_rows
@@ -128,8 +128,8 @@ def _fused_add_rms_norm_backward_kernel(
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    # This program's own row of the partial-sum buffer: no other program writes it.
-    dw_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
+    # This program's row of the partial-sum buffer, shared with at most one other program.
+    dw_row = partial_row(dw_partial_ptr, n_cols)
     if COL_TILES == 1:
         col_mask = col_offsets < n_cols
         dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
@@ -151,11 +151,12 @@ def _fused_add_rms_norm_backward_kernel(
             c = tl.sum(dn * n, axis=1) / n_cols
             dx = (dn - n * c[:, None]) * rstd[:, None]
             if HAS_DRES:
-                dres = tl.load(dres_ptr + rows64 * dres_row_stride + col_offsets[None, :], mask=mask, other=0.0)
+                dres = tl.load(dres_ptr + rows64 * dres_row_stride + col_offsets[None, :],
+                               mask=mask, other=0.0)
                 dx += dres.to(tl.float32)
             tl.store(dx_ptr + rows64 * dx_row_stride + col_offsets[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dw_row + col_offsets, dw_acc, mask=col_mask)
+        accumulate_partial(dw_row, col_offsets, dw_acc, col_mask)
     else:
         # Phase 1, row by row: c = mean(dn * n) of each of this program's rows, kept in `c_ptr`.
         for row_block in tl.range(pid, n_row_blocks, n_programs):
@@ -202,7 +203,7 @@ def _fused_add_rms_norm_backward_kernel(
                 tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :],
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 dw_acc += tl.sum(dy * n, axis=0)
-            tl.store(dw_row + cols, dw_acc, mask=col_mask)
+            accumulate_partial(dw_row, cols, dw_acc, col_mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -247,8 +248,7 @@ def fused_add_rms_norm_backward(dy2d, dres2d, h2d, weight, rstd, offset: float, 
     rows, cols = h2d.shape
     p = plan_rows(rows, cols, h2d.dtype, persistent=True, **BACKWARD_TILES)
     dx = dy2d if in_place else torch.empty((rows, cols), dtype=h2d.dtype, device=h2d.device)
-    # Every program writes its whole row of partials (each has at least one row block).
-    dw_partial = torch.empty((p.grid, cols), dtype=torch.float32, device=h2d.device)
+    dw_partial = partial_buffer(p.grid, cols, h2d.device)
     # The column-tiled path keeps each row's mean(dn * n) between its two phases.
     c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=h2d.device)
     has_dres = dres2d is not None

@@ -18,8 +18,11 @@ pairwise update, then applies the normalisation in a second pass. Both stay accu
 ``|mean| >> std``, where ``E[x**2] - E[x]**2`` in fp32 loses the variance entirely. The
 column-tiled backward first computes each row's ``mean(w * dy * xhat)`` and ``mean(w * dy)``, then
 walks column tile by column tile over all of its program's rows, so that the tile's ``dW`` and
-``dB`` stay in registers. ``dW`` and ``dB`` are reduced deterministically: each program of a persistent grid sums its
-rows into its own row of a partial buffer, and the partials are summed once at the end.
+``dB`` stay in registers.
+
+``dW`` and ``dB`` are reduced deterministically: each program of a persistent grid sums its rows in
+registers and adds them to partial rows it shares with at most one other program (see
+``onca.ops._partials``), and the partial rows are summed once at the end.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
-from onca.ops._partials import sum_partials
+from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._validate import as_rows, check_float, check_nonempty, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
@@ -143,9 +146,9 @@ def _layer_norm_backward_kernel(
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    # This program's own rows of the partial-sum buffers: no other program writes them.
-    dw_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
-    db_row = db_partial_ptr + pid.to(tl.int64) * n_cols
+    # This program's rows of the partial-sum buffers, each shared with at most one other program.
+    dw_row = partial_row(dw_partial_ptr, n_cols)
+    db_row = partial_row(db_partial_ptr, n_cols)
     if COL_TILES == 1:
         col_mask = col_offsets < n_cols
         dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
@@ -179,9 +182,9 @@ def _layer_norm_backward_kernel(
             tl.store(dx_ptr + rows64 * dx_row_stride + col_offsets[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            tl.store(dw_row + col_offsets, dw_acc, mask=col_mask)
+            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask)
         if COMPUTE_DB:
-            tl.store(db_row + col_offsets, db_acc, mask=col_mask)
+            accumulate_partial(db_row, col_offsets, db_acc, col_mask)
     else:
         # Phase 1, row by row: c1 = mean(g * xhat) and c2 = mean(g) of each of this program's
         # rows, kept in `c_ptr` (c1 at [row], c2 at [n_rows + row]).
@@ -243,9 +246,9 @@ def _layer_norm_backward_kernel(
                 if COMPUTE_DB:
                     db_acc += tl.sum(dy, axis=0)
             if COMPUTE_DW:
-                tl.store(dw_row + cols, dw_acc, mask=col_mask)
+                accumulate_partial(dw_row, cols, dw_acc, col_mask)
             if COMPUTE_DB:
-                tl.store(db_row + cols, db_acc, mask=col_mask)
+                accumulate_partial(db_row, cols, db_acc, col_mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -283,18 +286,16 @@ def layer_norm_forward(x2d: torch.Tensor, weight, bias, eps: float):
 
 
 def layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw: bool, compute_db: bool):
-    """``dx`` and the per-program fp32 partial sums of ``dW`` and ``dB`` (``(programs, cols)``;
-    meaningless where not computed), to be reduced with ``sum_partials``."""
+    """``dx`` and the fp32 partial-sum rows of ``dW`` and ``dB`` (empty where not computed), to be
+    reduced with ``sum_partials``."""
     rows, cols = x2d.shape
     p = plan_rows(rows, cols, x2d.dtype, persistent=True, **BACKWARD_TILES)
     dx = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
-    n_partials = int(compute_dw) + int(compute_db)
-    # Every program writes its whole rows (each has at least one row block); with neither gradient
-    # asked for, a placeholder (never read or written) stands in.
-    shape = (n_partials, p.grid, cols) if n_partials else (1, 1, 1)
-    partials = torch.empty(shape, dtype=torch.float32, device=x2d.device)
-    dw_partial = partials[0]
-    db_partial = partials[n_partials - 1] if compute_db else partials[0]
+    # Zeroed partial-sum rows (see onca.ops._partials); a gradient not asked for gets an empty
+    # placeholder, never read or written.
+    placeholder = torch.empty(0, dtype=torch.float32, device=x2d.device)
+    dw_partial = partial_buffer(p.grid, cols, x2d.device) if compute_dw else placeholder
+    db_partial = partial_buffer(p.grid, cols, x2d.device) if compute_db else placeholder
     # The column-tiled path keeps each row's mean(g * xhat) and mean(g) between its two phases.
     c = rstd if p.single_pass else torch.empty(2 * rows, dtype=torch.float32, device=x2d.device)
     _layer_norm_backward_kernel[(p.grid,)](
@@ -332,7 +333,9 @@ class LayerNormFunction(torch.autograd.Function):
         dy2d = as_rows(dy.reshape(-1, dy.shape[-1]))
         compute_dw = weight is not None and ctx.needs_input_grad[1]
         compute_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        dx, dw_partial, db_partial = layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw, compute_db)
+        dx, dw_partial, db_partial = layer_norm_backward(
+            dy2d, x2d, weight, mean, rstd, compute_dw, compute_db
+        )
         dw = sum_partials(dw_partial, weight.dtype) if compute_dw else None
         db = sum_partials(db_partial, ctx.bias_dtype) if compute_db else None
         return dx.view(ctx.x_shape), dw, db, None

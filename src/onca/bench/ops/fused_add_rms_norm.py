@@ -80,7 +80,8 @@ BENCHMARK = OpBenchmark(
     liger=liger,
     sweeps=(
         d1("tokens", [1024, 2048, 4096, 8192, 16384, 32768, 65536], {"hidden": 4096}, "tokens (hidden 4096)"),
-        d1("hidden", [1024, 2048, 4096, 8192, 16384, 32768], {"tokens": TOKENS}, "hidden size (16384 tokens)"),
+        d1("hidden", [1024, 2048, 4096, 8192, 16384, 32768], {"tokens": TOKENS},
+           "hidden size (16384 tokens)"),
         d2(lambda m: {"tokens": TOKENS, "hidden": m.hidden_size}),
     ),
     bytes_moved=bytes_moved,
