@@ -3,6 +3,10 @@
 from onca.nn.rms_norm import RMSNorm
 
 __all__ = ["RMSNorm"]
+from onca.nn.layer_norm import LayerNorm  # noqa: E402
+from onca.nn.fused_add_rms_norm import FusedAddRMSNorm  # noqa: E402
+
+__all__ += ["LayerNorm", "FusedAddRMSNorm"]
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP  # noqa: E402
 
 __all__ += ["SwiGLUMLP", "GeGLUMLP"]

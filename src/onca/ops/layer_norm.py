@@ -1,0 +1,366 @@
+"""LayerNorm over the last dimension: ``y = (x - mean(x)) / sqrt(var(x) + eps) * w + b``.
+
+The arithmetic is ``torch.nn.functional.layer_norm``'s: mean and biased variance in fp32, the
+affine transform in fp32, one rounding to the input dtype at the end. ``weight`` and ``bias`` are
+optional (``elementwise_affine=False`` / ``bias=False``) and may have another floating dtype than
+``x`` (an fp32 master weight with bf16 activations); the output has ``x``'s dtype.
+
+Saved for backward: the input ``x`` (the 2-D view the kernels read), the weight, and one fp32
+``mean`` and one fp32 ``rstd`` per row; the normalised row ``(x - mean) * rstd`` is recomputed in
+the backward pass rather than stored.
+
+Each kernel has a single-pass path (a whole row, or several, in one tile) and a column-tiled path
+chosen by the plan when a row does not fit the on-chip budget. The single-pass forward centres the
+row it holds on chip before squaring (two-step variance). The column-tiled forward reduces the
+row's statistics tile by tile: each tile's count, mean and sum of squared deviations from its own
+mean (of the row shifted by its first element), merged into the running ones with Chan et al.'s
+pairwise update, then applies the normalisation in a second pass. Both stay accurate when
+``|mean| >> std``, where ``E[x**2] - E[x]**2`` in fp32 loses the variance entirely. The
+column-tiled backward first computes each row's ``mean(w * dy * xhat)`` and ``mean(w * dy)``, then
+walks column tile by column tile over all of its program's rows, so that the tile's ``dW`` and
+``dB`` stay in registers.
+
+``dW`` and ``dB`` are reduced deterministically: each program of a persistent grid sums its rows in
+registers and adds them to partial rows it shares with at most one other program (see
+``onca.ops._partials``), and the partial rows are summed once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from onca.device import DeviceProfile
+from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
+from onca.ops._validate import as_rows, check_float, check_nonempty, check_same_device
+from onca.tiling import RowPlan, plan_rows
+
+__all__ = ["layer_norm", "LayerNormFunction", "plan"]
+
+# Live tiles of each kernel, counted as the planner expects: tiles in the input dtype, fp32 tiles.
+FORWARD_TILES = dict(live_tiles=4, fp32_tiles=2)  # x, w, b, y; x - mean and y in fp32
+BACKWARD_TILES = dict(live_tiles=4, fp32_tiles=6)  # x, dy, w, dx; x, dy, xhat, w*dy, dx, dW/dB sums
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _affine(xhat, w_ptr, b_ptr, cols, col_mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``xhat * w + b`` in fp32, for the columns ``cols`` of the row tile ``xhat``."""
+    y = xhat
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y + b[None, :]
+    return y
+
+
+@triton.jit
+def _layer_norm_forward_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
+    n_rows, n_cols, x_row_stride, y_row_stride, eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+        y_rows = y_ptr + rows.to(tl.int64)[:, None] * y_row_stride
+        if COL_TILES == 1:
+            col_mask = col_offsets < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + col_offsets[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.sum(x, axis=1) / n_cols
+            # Two-step variance on the row held on chip: exact centring, no cancellation.
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+            y = _affine(xc * rstd[:, None], w_ptr, b_ptr, col_offsets, col_mask, HAS_WEIGHT, HAS_BIAS)
+            tl.store(y_rows + col_offsets[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Pass 1: per-tile (count, mean, M2) merged into the running row statistics (Chan).
+            # The row is shifted by its first element, so that the tile means and their
+            # differences are of the order of the spread, not of the mean (which may be far
+            # larger: fp32 rounding of |mean| would otherwise leak into the variance through the
+            # merge term). Every tile but the last is full: tile * BLOCK_COLS elements seen so far.
+            shift = tl.load(x_ptr + rows.to(tl.int64) * x_row_stride, mask=row_mask, other=0.0)
+            shift = shift.to(tl.float32)
+            mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            m2 = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.where(mask, x - shift[:, None], 0.0)
+                seen = tile * BLOCK_COLS * 1.0
+                count = tl.minimum(n_cols - tile * BLOCK_COLS, BLOCK_COLS) * 1.0
+                tile_mean = tl.sum(x, axis=1) / count
+                d = tl.where(mask, x - tile_mean[:, None], 0.0)
+                tile_m2 = tl.sum(d * d, axis=1)
+                total = seen + count
+                delta = tile_mean - mean
+                mean = mean + delta * (count / total)
+                m2 = m2 + tile_m2 + delta * delta * (seen * count / total)
+            rstd = tl.rsqrt(m2 / n_cols + eps)
+            # Pass 2: normalise and apply the affine transform, tile by tile.
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                xhat = ((x - shift[:, None]) - mean[:, None]) * rstd[:, None]
+                y = _affine(xhat, w_ptr, b_ptr, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
+                tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+            mean += shift
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_backward_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, c_ptr,
+    n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    # With xhat = (x - mean) * rstd and g = w * dy:
+    #   dx = (g - xhat * mean(g * xhat) - mean(g)) * rstd,  dW = sum_rows dy * xhat,  dB = sum_rows dy
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    # This program's rows of the partial-sum buffers, each shared with at most one other program.
+    dw_row = partial_row(dw_partial_ptr, n_cols)
+    db_row = partial_row(db_partial_ptr, n_cols)
+    if COL_TILES == 1:
+        col_mask = col_offsets < n_cols
+        dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        for row_block in tl.range(pid, n_row_blocks, n_programs):
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)[:, None]
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + rows64 * x_row_stride + col_offsets[None, :], mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + rows64 * dy_row_stride + col_offsets[None, :], mask=mask, other=0.0)
+            dy = dy.to(tl.float32)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            # Masked columns load x = 0, so xhat is not 0 there; dy = 0 there keeps every sum exact.
+            xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+            # The parameter gradients first, so that dy's registers are free for g (the
+            # accumulators already hold two fp32 values per column for the whole loop).
+            if COMPUTE_DW:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if COMPUTE_DB:
+                db_acc += tl.sum(dy, axis=0)
+            if HAS_WEIGHT:
+                # Reloaded per row block (an L1 hit) rather than held in registers across the loop.
+                g = dy * tl.load(w_ptr + col_offsets, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            else:
+                g = dy
+            c1 = tl.sum(g * xhat, axis=1) / n_cols
+            c2 = tl.sum(g, axis=1) / n_cols
+            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(dx_ptr + rows64 * dx_row_stride + col_offsets[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask)
+        if COMPUTE_DB:
+            accumulate_partial(db_row, col_offsets, db_acc, col_mask)
+    else:
+        # Phase 1, row by row: c1 = mean(g * xhat) and c2 = mean(g) of each of this program's
+        # rows, kept in `c_ptr` (c1 at [row], c2 at [n_rows + row]).
+        for row_block in tl.range(pid, n_row_blocks, n_programs):
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)[:, None]
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            sum_gx = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            sum_g = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+                g = dy.to(tl.float32)
+                if HAS_WEIGHT:
+                    g = g * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+                sum_gx += tl.sum(g * xhat, axis=1)
+                sum_g += tl.sum(g, axis=1)
+            tl.store(c_ptr + rows, sum_gx / n_cols, mask=row_mask)
+            tl.store(c_ptr + n_rows + rows, sum_g / n_cols, mask=row_mask)
+        # The rows' c1 and c2 were written by other threads of this program.
+        tl.debug_barrier()
+        # Phase 2, column tile by column tile: dx of every row of this program, and the tile's dW
+        # and dB summed over them in registers (no read-modify-write of the partial rows).
+        for tile in range(COL_TILES):
+            cols = tile * BLOCK_COLS + col_offsets
+            col_mask = cols < n_cols
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+            for row_block in tl.range(pid, n_row_blocks, n_programs):
+                rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+                row_mask = rows < n_rows
+                rows64 = rows.to(tl.int64)[:, None]
+                mask = row_mask[:, None] & col_mask[None, :]
+                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                c1 = tl.load(c_ptr + rows, mask=row_mask, other=0.0)
+                c2 = tl.load(c_ptr + n_rows + rows, mask=row_mask, other=0.0)
+                x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+                dy = dy.to(tl.float32)
+                xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+                if HAS_WEIGHT:
+                    g = dy * w[None, :]
+                else:
+                    g = dy
+                dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+                tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :],
+                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if COMPUTE_DW:
+                    dw_acc += tl.sum(dy * xhat, axis=0)
+                if COMPUTE_DB:
+                    db_acc += tl.sum(dy, axis=0)
+            if COMPUTE_DW:
+                accumulate_partial(dw_row, cols, dw_acc, col_mask)
+            if COMPUTE_DB:
+                accumulate_partial(db_row, cols, db_acc, col_mask)
+
+
+# --------------------------------------------------------------------------------------- launchers
+
+
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
+    """The forward and backward plans for an input of ``shape`` (``(..., hidden)``)."""
+    rows, cols = _rows_cols(shape)
+    return {
+        "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
+        "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
+    }
+
+
+def _rows_cols(shape) -> tuple[int, int]:
+    shape = tuple(int(s) for s in shape)
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def layer_norm_forward(x2d: torch.Tensor, weight, bias, eps: float):
+    rows, cols = x2d.shape
+    p = plan_rows(rows, cols, x2d.dtype, **FORWARD_TILES)
+    y = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
+    mean = torch.empty(rows, dtype=torch.float32, device=x2d.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x2d.device)
+    # An absent weight or bias is never read (HAS_WEIGHT / HAS_BIAS); x stands in for its pointer.
+    _layer_norm_forward_kernel[(p.grid,)](
+        x2d, x2d if weight is None else weight, x2d if bias is None else bias, y, mean, rstd,
+        rows, cols, x2d.stride(0), y.stride(0), eps,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+        num_warps=p.num_warps,
+    )
+    return y, mean, rstd
+
+
+def layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw: bool, compute_db: bool):
+    """``dx`` and the fp32 partial-sum rows of ``dW`` and ``dB`` (empty where not computed), to be
+    reduced with ``sum_partials``."""
+    rows, cols = x2d.shape
+    p = plan_rows(rows, cols, x2d.dtype, persistent=True, **BACKWARD_TILES)
+    dx = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
+    # Zeroed partial-sum rows (see onca.ops._partials); a gradient not asked for gets an empty
+    # placeholder, never read or written.
+    placeholder = torch.empty(0, dtype=torch.float32, device=x2d.device)
+    dw_partial = partial_buffer(p.grid, cols, x2d.device) if compute_dw else placeholder
+    db_partial = partial_buffer(p.grid, cols, x2d.device) if compute_db else placeholder
+    # The column-tiled path keeps each row's mean(g * xhat) and mean(g) between its two phases.
+    c = rstd if p.single_pass else torch.empty(2 * rows, dtype=torch.float32, device=x2d.device)
+    _layer_norm_backward_kernel[(p.grid,)](
+        dy2d, x2d, x2d if weight is None else weight, mean, rstd, dx, dw_partial, db_partial, c,
+        rows, cols, dy2d.stride(0), x2d.stride(0), dx.stride(0),
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+        num_warps=p.num_warps,
+    )
+    return dx, dw_partial, db_partial
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd wrapper. Saves ``x`` (the 2-D view the kernels read), ``weight``, and fp32 ``mean``
+    and ``rstd`` per row; the bias is not needed by the backward pass and is not saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        _validate(x, weight, bias, eps)
+        x2d = as_rows(x)
+        weight = None if weight is None else weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        y, mean, rstd = layer_norm_forward(x2d, weight, bias, float(eps))
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.x_shape = x.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        dy2d = as_rows(dy.reshape(-1, dy.shape[-1]))
+        compute_dw = weight is not None and ctx.needs_input_grad[1]
+        compute_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        dx, dw_partial, db_partial = layer_norm_backward(
+            dy2d, x2d, weight, mean, rstd, compute_dw, compute_db
+        )
+        dw = sum_partials(dw_partial, weight.dtype) if compute_dw else None
+        db = sum_partials(db_partial, ctx.bias_dtype) if compute_db else None
+        return dx.view(ctx.x_shape), dw, db, None
+
+
+def _validate(x, weight, bias, eps) -> None:
+    check_float(x, "x")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalised one), got a scalar")
+    check_nonempty(x, "x")
+    hidden = x.shape[-1]
+    for t, name in ((weight, "weight"), (bias, "bias")):
+        if t is None:
+            continue
+        check_float(t, name)
+        if t.dim() != 1 or t.shape[0] != hidden:
+            raise ValueError(
+                f"{name} must be 1-D of x's last dimension ({hidden},), got shape {tuple(t.shape)}"
+            )
+        check_same_device(t, name, x, "x")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite non-negative number, got {eps!r}")
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """LayerNorm over the last dimension of ``x`` (any leading shape). See the module docstring."""
+    return LayerNormFunction.apply(x, weight, bias, eps)
+
