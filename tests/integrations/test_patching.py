@@ -14,9 +14,9 @@ from onca.integrations.transformers.presets import tiny_config
 transformers = pytest.importorskip("transformers")
 
 
-def _model(model_type="qwen3", **kw):
+def _model(model_type="qwen3", device="cpu", **kw):
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **kw))
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **kw)).to(device)
 
 
 def _patched_forwards(model):
@@ -24,9 +24,9 @@ def _patched_forwards(model):
                    if getattr(m.__dict__.get("forward"), "__onca__", None)})
 
 
-def test_apply_patches_every_kernel_and_unapply_restores():
-    model = _model("qwen3")
-    x = torch.randint(0, 256, (2, 12))
+def test_apply_patches_every_kernel_and_unapply_restores(device):
+    model = _model("qwen3", device)
+    x = torch.randint(0, 256, (2, 12), device=device)
     before = model(input_ids=x, labels=x).loss.item()
     modeling = family_of("qwen3").modeling()
     original_rope = modeling.apply_rotary_pos_emb
@@ -59,9 +59,9 @@ def test_unsupported_model_is_a_clear_error():
         onca.apply_to("bert")
 
 
-def test_logits_when_asked_and_hf_output_types():
-    model = onca.apply(_model("llama"))
-    x = torch.randint(0, 256, (2, 10))
+def test_logits_when_asked_and_hf_output_types(device):
+    model = onca.apply(_model("llama", device))
+    x = torch.randint(0, 256, (2, 10), device=device)
     model.train()
     out = model(input_ids=x, labels=x)
     assert type(out).__name__ == "CausalLMOutputWithPast" and out.logits is None and out.loss is not None
@@ -74,10 +74,10 @@ def test_logits_when_asked_and_hf_output_types():
     onca.unapply(model)
 
 
-def test_num_items_in_batch_sums_then_divides():
-    ref, model = _model("llama"), None
+def test_num_items_in_batch_sums_then_divides(device):
+    ref = _model("llama", device)
     model = onca.apply(copy.deepcopy(ref))
-    x = torch.randint(0, 256, (2, 10))
+    x = torch.randint(0, 256, (2, 10), device=device)
     labels = x.clone()
     labels[0, :4] = -100
     n = (labels[:, 1:] != -100).sum()
@@ -89,15 +89,15 @@ def test_num_items_in_batch_sums_then_divides():
     onca.unapply(model)
 
 
-def test_apply_to_patches_classes_before_construction():
+def test_apply_to_patches_classes_before_construction(device):
     family = family_of("mistral")
     modeling = family.modeling()
     norm_forward = modeling.MistralRMSNorm.forward
     try:
         onca.apply_to("mistral")
-        model = _model("mistral")
+        model = _model("mistral", device)
         assert modeling.MistralRMSNorm.forward.__onca__ == "rms_norm"
-        x = torch.randint(0, 256, (2, 8))
+        x = torch.randint(0, 256, (2, 8), device=device)
         model.train()
         assert model(input_ids=x, labels=x).logits is None
     finally:

@@ -155,8 +155,13 @@ def test_options_and_repr():
     g = onca.nn.GeGLUMLP(transformers.GemmaConfig(**SIZES))
     assert g.approximate == "tanh"
     assert onca.nn.GeGLUMLP(transformers.GemmaConfig(**SIZES), approximate="none").approximate == "none"
-    # Gemma 1's legacy hidden_act="gelu" is rewritten to the tanh form by GemmaConfig, as HF runs it.
-    assert onca.nn.GeGLUMLP(transformers.GemmaConfig(hidden_act="gelu", **SIZES)).approximate == "tanh"
+    # Gemma 1's legacy hidden_act="gelu": whichever GELU form this transformers version's GemmaMLP
+    # runs (newer releases rewrite it to the tanh form in GemmaConfig), ours must run the same one.
+    legacy = transformers.GemmaConfig(hidden_act="gelu", **SIZES)
+    hf_act = GemmaMLP(legacy).act_fn
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    ours = torch.nn.functional.gelu(x, approximate=onca.nn.GeGLUMLP(legacy).approximate)
+    torch.testing.assert_close(ours, hf_act(x), rtol=1e-12, atol=1e-12)
 
 
 def test_bad_configs():
