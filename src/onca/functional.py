@@ -4,9 +4,43 @@ from __future__ import annotations
 
 import torch
 
+from onca.ops.attn_res import attn_res as _attn_res
+from onca.ops.cross_entropy import cross_entropy as _cross_entropy
+from onca.ops.embedding import embedding as _embedding
+from onca.ops.fused_add_rms_norm import fused_add_rms_norm as _fused_add_rms_norm
+from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy as _flce
+from onca.ops.fused_linear_jsd import fused_linear_jsd as _fused_linear_jsd
+from onca.ops.geglu import geglu as _geglu
+from onca.ops.geglu import geglu_linear as _geglu_linear
+from onca.ops.jsd import jsd as _jsd
+from onca.ops.kl_div import kl_div as _kl_div
+from onca.ops.layer_norm import layer_norm as _layer_norm
 from onca.ops.rms_norm import rms_norm as _rms_norm
+from onca.ops.rope import rotary_pos_emb as _rotary_pos_emb
+from onca.ops.swiglu import swiglu as _swiglu
+from onca.ops.swiglu import swiglu_linear as _swiglu_linear
 
-__all__ = ["rms_norm"]
+__all__ = [
+    "rms_norm",
+    "layer_norm",
+    "fused_add_rms_norm",
+    "swiglu",
+    "geglu",
+    "swiglu_linear",
+    "geglu_linear",
+    "rotary_pos_emb",
+    "embedding",
+    "attn_res",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "kl_div",
+    "jsd",
+    "fused_linear_jsd",
+]
+
+
+
+# -------------------------------------------------------------------------------- Normalisation
 
 
 def rms_norm(
@@ -25,12 +59,6 @@ def rms_norm(
     ``in_place=True`` lets the backward pass write ``dx`` into the incoming gradient's storage.
     """
     return _rms_norm(x, weight, eps, offset, casting_mode, in_place)
-
-
-from onca.ops.layer_norm import layer_norm as _layer_norm  # noqa: E402
-from onca.ops.fused_add_rms_norm import fused_add_rms_norm as _fused_add_rms_norm  # noqa: E402
-
-__all__ += ["layer_norm", "fused_add_rms_norm"]
 
 
 def layer_norm(
@@ -66,14 +94,9 @@ def fused_add_rms_norm(
     the storage of the incoming gradient of the normalised output.
     """
     return _fused_add_rms_norm(x, residual, weight, eps, offset, casting_mode, in_place)
-# ------------------------------------------------------------------------ SwiGLU / GeGLU (issue 4)
 
-from onca.ops.geglu import geglu as _geglu  # noqa: E402
-from onca.ops.geglu import geglu_linear as _geglu_linear  # noqa: E402
-from onca.ops.swiglu import swiglu as _swiglu  # noqa: E402
-from onca.ops.swiglu import swiglu_linear as _swiglu_linear  # noqa: E402
 
-__all__ += ["swiglu", "geglu", "swiglu_linear", "geglu_linear"]
+# ------------------------------------------------------------------------ Gated MLP activations
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
@@ -109,11 +132,7 @@ def geglu_linear(a: torch.Tensor, b: torch.Tensor | None, weight: torch.Tensor,
     return _geglu_linear(a, b, weight, bias, approximate, in_place)
 
 
-# ------------------------------------------------------------------------------ RoPE (issue 5)
-
-from onca.ops.rope import rotary_pos_emb as _rotary_pos_emb
-
-__all__ += ["rotary_pos_emb"]
+# ----------------------------------------------------- Position, embedding, attention residuals
 
 
 def rotary_pos_emb(
@@ -139,13 +158,94 @@ def rotary_pos_emb(
     over the incoming gradients (saves memory; only when nothing else reads those gradients).
     """
     return _rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, in_place_backward)
-# ------------------------------------------------------------------ KL divergence, JSD (issue 6)
 
-from onca.ops.fused_linear_jsd import fused_linear_jsd as _fused_linear_jsd  # noqa: E402
-from onca.ops.jsd import jsd as _jsd  # noqa: E402
-from onca.ops.kl_div import kl_div as _kl_div  # noqa: E402
 
-__all__ += ["kl_div", "jsd", "fused_linear_jsd"]
+def embedding(
+    indices: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None = None,
+    deterministic: bool = False,
+    *,
+    scale_grad_by_freq: bool = False,
+    check_bounds: bool = True,
+) -> torch.Tensor:
+    """Embedding lookup ``weight[indices]``: ``(*indices.shape, embedding_dim)`` in the weight's dtype.
+
+    ``indices``: int32 or int64, any shape. ``padding_idx``: that row gets no gradient (negative
+    values count from the end). The weight gradient accumulates in fp32; ``deterministic=True``
+    makes it bitwise reproducible (sorted segment reduction; bf16/fp16 weights always use it),
+    otherwise fp32 weights use atomic adds. ``check_bounds`` (default on) raises an
+    ``IndexError``/``ValueError`` for an index outside the table at the cost of one host-device
+    synchronisation; without it, out-of-range indices give zero rows and no gradient.
+    """
+    return _embedding(indices, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds)
+
+
+def attn_res(V: torch.Tensor, w_query: torch.Tensor, w_norm: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Attention residuals: softmax attention over the first dimension of ``V`` (``(N, ..., D)``,
+    e.g. ``[N, B, T, D]``, the outputs of N earlier layers).
+
+    ``K = rms_norm(V) * w_norm`` over D, ``score = <w_query, K>``, ``alpha = softmax(score)`` over N,
+    and the result ``sum_n alpha[n] * V[n]`` has shape ``(..., D)`` and ``V``'s dtype. ``w_query``
+    and ``w_norm`` have shape ``(D,)``; all arithmetic is in fp32. Differentiable in all three.
+    """
+    return _attn_res(V, w_query, w_norm, eps)
+
+
+# --------------------------------------------------------------------------------------- Losses
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    in_place_backward: bool = False,
+):
+    """Cross entropy of ``logits`` ``(..., vocab)`` against class indices ``target`` ``(...)``.
+
+    As ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``, ``reduction``
+    ``"none"``/``"mean"``/``"sum"``, mean over the non-ignored tokens; no class weights), plus the
+    z-loss ``lse_square_scale * logsumexp(logits)**2`` per token and Gemma 2's logit soft-capping
+    ``softcap * tanh(logits / softcap)``. With every token ignored the mean is 0.0 (torch: NaN).
+    ``return_z_loss=True`` returns ``(loss, z_loss)`` (the z-loss part, for logging).
+    ``in_place_backward=True`` computes the gradient in the forward pass and writes it over the
+    logits (no second logits-sized buffer; the logits are destroyed).
+    """
+    return _cross_entropy(logits, target, ignore_index, label_smoothing, reduction, lse_square_scale,
+                          softcap, return_z_loss, in_place_backward)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    accum_dtype: torch.dtype | None = None,
+    chunk_tokens: int | None = None,
+):
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the logits.
+
+    ``hidden`` ``(..., H)`` (e.g. a causal LM's final hidden states ``(B, S, H)``), ``weight``
+    ``(V, H)`` (the LM head, possibly tied to the embedding), ``target`` ``(...)`` class indices.
+    The options are :func:`cross_entropy`'s; ``accum_dtype=torch.float32`` accumulates the weight
+    gradient in fp32 for bf16/fp16 weights; ``chunk_tokens`` overrides the planned tokens per chunk.
+    The loss is fp32. With ``reduction="sum"`` divide by ``num_items_in_batch`` yourself (Hugging
+    Face's gradient accumulation); ``reduction="none"`` returns per-token losses (its backward
+    recomputes the logits chunk by chunk).
+    """
+    return _flce(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, lse_square_scale,
+                 softcap, return_z_loss, accum_dtype, chunk_tokens)
 
 
 def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
@@ -193,101 +293,3 @@ def fused_linear_jsd(
     (fp32 accumulation for bf16/fp16 heads); the teacher gets none."""
     return _fused_linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta,
                              ignore_index, temperature, reduction)
-__all__ += ["cross_entropy", "fused_linear_cross_entropy"]
-
-
-def cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-    lse_square_scale: float = 0.0,
-    softcap: float | None = None,
-    return_z_loss: bool = False,
-    in_place_backward: bool = False,
-):
-    """Cross entropy of ``logits`` ``(..., vocab)`` against class indices ``target`` ``(...)``.
-
-    As ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``, ``reduction``
-    ``"none"``/``"mean"``/``"sum"``, mean over the non-ignored tokens; no class weights), plus the
-    z-loss ``lse_square_scale * logsumexp(logits)**2`` per token and Gemma 2's logit soft-capping
-    ``softcap * tanh(logits / softcap)``. With every token ignored the mean is 0.0 (torch: NaN).
-    ``return_z_loss=True`` returns ``(loss, z_loss)`` (the z-loss part, for logging).
-    ``in_place_backward=True`` computes the gradient in the forward pass and writes it over the
-    logits (no second logits-sized buffer; the logits are destroyed).
-    """
-    from onca.ops.cross_entropy import cross_entropy as _cross_entropy
-
-    return _cross_entropy(logits, target, ignore_index, label_smoothing, reduction, lse_square_scale,
-                          softcap, return_z_loss, in_place_backward)
-
-
-def fused_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-    lse_square_scale: float = 0.0,
-    softcap: float | None = None,
-    return_z_loss: bool = False,
-    accum_dtype: torch.dtype | None = None,
-    chunk_tokens: int | None = None,
-):
-    """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the logits.
-
-    ``hidden`` ``(..., H)`` (e.g. a causal LM's final hidden states ``(B, S, H)``), ``weight``
-    ``(V, H)`` (the LM head, possibly tied to the embedding), ``target`` ``(...)`` class indices.
-    The options are :func:`cross_entropy`'s; ``accum_dtype=torch.float32`` accumulates the weight
-    gradient in fp32 for bf16/fp16 weights; ``chunk_tokens`` overrides the planned tokens per chunk.
-    The loss is fp32. With ``reduction="sum"`` divide by ``num_items_in_batch`` yourself (Hugging
-    Face's gradient accumulation); ``reduction="none"`` returns per-token losses (its backward
-    recomputes the logits chunk by chunk).
-    """
-    from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy as _flce
-
-    return _flce(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, lse_square_scale,
-                 softcap, return_z_loss, accum_dtype, chunk_tokens)
-from onca.ops.embedding import embedding as _embedding  # noqa: E402
-
-__all__ += ["embedding"]
-
-
-def embedding(
-    indices: torch.Tensor,
-    weight: torch.Tensor,
-    padding_idx: int | None = None,
-    deterministic: bool = False,
-    *,
-    scale_grad_by_freq: bool = False,
-    check_bounds: bool = True,
-) -> torch.Tensor:
-    """Embedding lookup ``weight[indices]``: ``(*indices.shape, embedding_dim)`` in the weight's dtype.
-
-    ``indices``: int32 or int64, any shape. ``padding_idx``: that row gets no gradient (negative
-    values count from the end). The weight gradient accumulates in fp32; ``deterministic=True``
-    makes it bitwise reproducible (sorted segment reduction; bf16/fp16 weights always use it),
-    otherwise fp32 weights use atomic adds. ``check_bounds`` (default on) raises an
-    ``IndexError``/``ValueError`` for an index outside the table at the cost of one host-device
-    synchronisation; without it, out-of-range indices give zero rows and no gradient.
-    """
-    return _embedding(indices, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds)
-
-
-from onca.ops.attn_res import attn_res as _attn_res  # noqa: E402
-
-__all__ += ["attn_res"]
-
-
-def attn_res(V: torch.Tensor, w_query: torch.Tensor, w_norm: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Attention residuals: softmax attention over the first dimension of ``V`` (``(N, ..., D)``,
-    e.g. ``[N, B, T, D]``, the outputs of N earlier layers).
-
-    ``K = rms_norm(V) * w_norm`` over D, ``score = <w_query, K>``, ``alpha = softmax(score)`` over N,
-    and the result ``sum_n alpha[n] * V[n]`` has shape ``(..., D)`` and ``V``'s dtype. ``w_query``
-    and ``w_norm`` have shape ``(D,)``; all arithmetic is in fp32. Differentiable in all three.
-    """
-    return _attn_res(V, w_query, w_norm, eps)
