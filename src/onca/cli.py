@@ -108,6 +108,12 @@ def cmd_bench(args) -> int:
             print(f"{op:28s} {sweeps}")
         return 0
     targets = list(args.targets)
+    if targets[:1] == ["summary"]:
+        if len(targets) != 2:
+            print("usage: onca bench summary CSV", file=sys.stderr)
+            return 2
+        print(report.summary(records.latest(records.read_csv(targets[1]))))
+        return 0
     if targets[:1] == ["plot"]:
         if len(targets) != 2:
             print("usage: onca bench plot CSV", file=sys.stderr)
@@ -116,7 +122,7 @@ def cmd_bench(args) -> int:
             print(path)
         return 0
     if not targets:
-        print("onca bench: name an op, 'all', 'plot CSV', or use --list", file=sys.stderr)
+        print("onca bench: name an op, 'all', 'plot CSV', 'summary CSV', or use --list", file=sys.stderr)
         return 2
     ops = harness.list_ops() if targets == ["all"] else targets
     unknown = [op for op in ops if op not in harness.list_ops()]
@@ -211,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmark ops against torch, torch.compile and liger-kernel",
-                           description="onca bench OP|all [options], onca bench plot CSV, onca bench --list")
-    bench.add_argument("targets", nargs="*", help="op names, 'all', or 'plot CSV'")
+                           description="onca bench OP|all [options], onca bench plot CSV, onca bench summary CSV, onca bench --list")
+    bench.add_argument("targets", nargs="*", help="op names, 'all', 'plot CSV' or 'summary CSV'")
     bench.add_argument("--list", action="store_true", help="list the ops that have benchmarks")
     bench.add_argument("--sweep", choices=["d1", "d2", "all"], default="all")
     bench.add_argument("--modes", type=_csv_list, default=("forward", "backward", "full"))

@@ -59,3 +59,39 @@ def _ratio(onca, other, metric) -> str:
         return "-"
     value = other.y50 / onca.y50 if metric == "speed" else onca.y50 / other.y50
     return f"{value:.2f}x"
+
+
+# The D2 point each op's headline row shows: a Llama-3-8B-shaped layer where the op has one
+# (Gemma's shapes for GeGLU, which only Gemma uses).
+HEADLINE_MODEL = {"geglu": "gemma-2-9b"}
+DEFAULT_HEADLINE_MODEL = "llama-3-8b"
+
+
+def summary(rows: list[dict], mode: str = "full") -> str:
+    """A Markdown table, one line per op: its headline D2 point in ``mode`` (from CSV rows as
+    ``records.read_csv`` returns them, newest record per point), each provider's median time, and
+    onca's peak memory beside liger-kernel's. Ratios as in :func:`table`."""
+    by_key: dict[tuple, dict] = {}
+    for r in rows:
+        if r["sweep"] != "d2" or r["kernel_operation_mode"] != mode:
+            continue
+        if r["x_value"] != HEADLINE_MODEL.get(r["kernel_name"], DEFAULT_HEADLINE_MODEL):
+            continue
+        by_key[(r["kernel_name"], r["kernel_provider"], r["metric_name"])] = r
+    ops = sorted({k[0] for k in by_key}, key=lambda op: list(by_key).index(next(k for k in by_key if k[0] == op)))
+    head = ["kernel", "shape", "onca ms", "vs torch", "vs compile", "vs liger", "onca MB", "liger MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op in ops:
+        def get(provider, metric="speed"):
+            r = by_key.get((op, provider, metric))
+            return r["y_value_50"] if r and r["status"] == "ok" else math.nan
+        onca = get("onca")
+        cells = [op, HEADLINE_MODEL.get(op, DEFAULT_HEADLINE_MODEL), _fmt(onca, 3)]
+        cells += [_fmt(get(p) / onca, 2, "x") for p in ("torch", "torch_compile", "liger")]
+        cells += [_fmt(get("onca", "memory"), 0), _fmt(get("liger", "memory"), 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float, digits: int, suffix: str = "") -> str:
+    return "-" if math.isnan(value) else f"{value:.{digits}f}{suffix}"
