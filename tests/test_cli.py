@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from onca import cli
+from onca import device as onca_device
 
 
 def test_env(capsys):
@@ -25,6 +26,7 @@ def test_plan_bad_input(capsys):
         cli.main(["plan", "rms_norm", "--shape", "4xfour"])
 
 
+@pytest.mark.skipif(onca_device.accelerator() != "cpu", reason="the CPU smoke-test path of onca bench")
 def test_bench_list_and_cpu_smoke(tmp_path, capsys):
     assert cli.main(["bench", "--list"]) == 0
     assert "rms_norm" in capsys.readouterr().out

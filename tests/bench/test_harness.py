@@ -165,7 +165,7 @@ def test_sweep_helpers():
 
 
 @pytest.mark.parametrize("op", harness.list_ops())
-def test_every_op_benchmark_declaration(op):
+def test_every_op_benchmark_declaration(op, device):
     """Each op declares D1 and D2 sweeps, positive estimates, and runs at its probe size here."""
     bench = harness.load(op)
     assert bench.name == op
@@ -173,7 +173,7 @@ def test_every_op_benchmark_declaration(op):
     for provider in ("onca", "torch", "torch_compile", "liger"):
         for mode in bench.modes:
             assert bench.memory_estimate(bench.probe, torch.bfloat16, provider, mode) > 0
-    settings = harness.Settings(device="cpu", dtype=torch.float32, providers=("onca", "torch"),
+    settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca", "torch"),
                                 modes=("forward", "full"), cpu_reps=1)
     new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
     statuses = {p.status for r in new if r.metric_name == "speed" for p in r.points}

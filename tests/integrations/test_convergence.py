@@ -31,11 +31,19 @@ transformers = pytest.importorskip("transformers")
 SIZE = {"cpu": dict(hidden_size=64, layers=2, vocab_size=256), "gpu": dict(hidden_size=256, layers=4, vocab_size=4096)}[SCALE]
 BATCH, SEQ, STEPS = {"cpu": (2, 24, 4), "gpu": (4, 256, 20)}[SCALE]
 LR = 1e-3
-# (loss rtol, weight relative-norm tolerance, logits relative-norm tolerance) per dtype
+# (loss rtol, weight relative-norm tolerance, logits relative-norm tolerance) per dtype, for the
+# direct comparison with Hugging Face's run in the same dtype.
 # bf16: gradients agree to ~2e-2 at initialisation; over the steps the routers of MoE models and
-# the attention logits compound that to the measured worst of ~5e-2 (Mixtral's router, Gemma 3's
-# logits), hence 6e-2.
+# the attention logits compound that to the measured worst of ~5e-2 on the CPU sizes (Mixtral's
+# router, Gemma 3's logits), hence 6e-2.
 TOL = {torch.float32: (1e-4, 1e-3, 1e-3), torch.bfloat16: (2e-2, 6e-2, 6e-2)}
+# Longer runs of bigger models (the GPU sizes) are chaotic enough that two correct
+# implementations rounding differently drift further apart than that. A quantity outside TOL still
+# passes if Onca's run is as close to the exact trajectory (Hugging Face's run one precision up,
+# from the same initial weights) as Hugging Face's own run in this dtype is, within NOISE_FACTOR:
+# a wrong kernel moves away from the exact trajectory, rounding noise does not.
+EXACT_DTYPE = {torch.float32: torch.float64, torch.bfloat16: torch.float32}
+NOISE_FACTOR = 2.0
 
 
 def _train(model, data, device):
@@ -74,10 +82,22 @@ def test_patched_model_trains_like_the_original(device, model_type, dtype):
     data = _batches(config.vocab_size)
     # The reference trains (and gives its logits) before anything is patched: Onca's RoPE patch is
     # process-wide for the family, so it must not be in place while the reference runs.
+    exact = copy.deepcopy(reference).to(EXACT_DTYPE[dtype])
+    if hasattr(exact.config, "_experts_implementation"):
+        exact.config._experts_implementation = "eager"  # MoE: the grouped matmul has no fp64 kernel
     ref_losses = _train(reference, data, device)
     reference.eval()
     with torch.no_grad():
         ref_logits = reference(input_ids=data[0].to(device)).logits
+    try:
+        exact_losses = _train(exact, data, device)
+        exact.eval()
+        with torch.no_grad():
+            exact_logits = exact(input_ids=data[0].to(device)).logits
+    except RuntimeError as e:  # older transformers: no fp64 MoE experts at all; direct checks only
+        if "Double" not in str(e):
+            raise
+        exact = exact_losses = exact_logits = None
     patched = onca.apply(twin)
     try:
         assert patched._onca_kernels["rms_norm"] > 0 and patched._onca_kernels["mlp"] > 0
@@ -88,10 +108,24 @@ def test_patched_model_trains_like_the_original(device, model_type, dtype):
     finally:
         onca.unapply(patched)
     loss_rtol, weight_tol, logits_tol = TOL[dtype]
-    torch.testing.assert_close(torch.tensor(onca_losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0,
-                               msg=lambda m: f"{model_type} loss curve: {m}")
+
+    def close(what: str, ours, hf, exact_value, distance, tol) -> None:
+        direct = distance(ours, hf)
+        if direct <= tol:
+            return
+        assert exact_value is not None, f"{model_type} {what}: {direct:.2e} from Hugging Face's run (> {tol:.0e})"
+        ours_off, hf_off = distance(ours, exact_value), distance(hf, exact_value)
+        assert ours_off <= NOISE_FACTOR * hf_off, (
+            f"{model_type} {what}: {direct:.2e} from Hugging Face's run (> {tol:.0e}), and "
+            f"{ours_off:.2e} from the exact run where Hugging Face's is {hf_off:.2e}"
+        )
+
+    losses = [None if x is None else torch.tensor(x, dtype=torch.float64)
+              for x in (onca_losses, ref_losses, exact_losses)]
+    close("loss curve", *losses, _max_rel, loss_rtol)
     assert onca_losses[-1] < onca_losses[0], "the patched model did not learn"
     ref_params = dict(reference.named_parameters())
+    exact_params = dict(exact.named_parameters()) if exact is not None else {}
     adam_bound = 2 * LR * STEPS
     for name, p in patched.named_parameters():
         ref = ref_params[name]
@@ -99,5 +133,9 @@ def test_patched_model_trains_like_the_original(device, model_type, dtype):
             gap = (p.detach().double() - ref.detach().double()).abs().max().item()
             assert gap <= adam_bound, f"{model_type}: weight {name} moved {gap:.2e} apart (> {adam_bound:.1e})"
         else:
-            assert _rel(p, ref) <= weight_tol, f"{model_type}: weight {name} drifted"
-    assert _rel(onca_logits, ref_logits) <= logits_tol
+            close(f"weight {name}", p, ref, exact_params.get(name), _rel, weight_tol)
+    close("logits", onca_logits, ref_logits, exact_logits, _rel, logits_tol)
+
+
+def _max_rel(a, b) -> float:
+    return ((a - b).abs() / b.abs().clamp_min(1e-12)).max().item()
