@@ -41,9 +41,13 @@ TOL = {torch.float32: (1e-4, 1e-3, 1e-3), torch.bfloat16: (2e-2, 6e-2, 6e-2)}
 # implementations rounding differently drift further apart than that. A quantity outside TOL still
 # passes if Onca's run is as close to the exact trajectory (Hugging Face's run one precision up,
 # from the same initial weights) as Hugging Face's own run in this dtype is, within NOISE_FACTOR:
-# a wrong kernel moves away from the exact trajectory, rounding noise does not.
+# a wrong kernel moves away from the exact trajectory, rounding noise does not. Both distances are
+# single draws of a chaotic drift (an MoE router flipping one token's expert moves a whole expert's
+# update): on an H200 at the GPU sizes the worst ratio measured was 3.7 (Qwen3-MoE's expert
+# weights, fp32), hence 4; the kernel bugs these tests exist for move a run by 1e-2 or more, tens
+# of times the fp32 drift.
 EXACT_DTYPE = {torch.float32: torch.float64, torch.bfloat16: torch.float32}
-NOISE_FACTOR = 2.0
+NOISE_FACTOR = 4.0
 
 
 def _train(model, data, device):
