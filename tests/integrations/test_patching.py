@@ -118,3 +118,37 @@ def test_auto_model_loader_returns_a_patched_model(tmp_path):
 def test_every_family_is_listed():
     assert set(FAMILIES) == {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",
                              "gemma3_text", "phi3", "olmo2", "granite"}
+
+
+def test_trainer_trains_a_patched_model_with_gradient_accumulation(tmp_path, device):
+    """transformers' Trainer, unchanged, on a model from onca's loader: its loss (the fused linear
+    cross entropy, with num_items_in_batch across 2 accumulated micro-batches) matches the
+    unpatched model's under the same Trainer."""
+    pytest.importorskip("accelerate")
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 256, (12,), generator=g)} for _ in range(8)]
+    for i, r in enumerate(rows):
+        r["labels"] = r["input_ids"].clone()
+        r["labels"][: 1 + 3 * (i % 3)] = -100  # uneven valid-token counts: sum, then divide by all
+
+    def train(model):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+            use_cpu=device == "cpu", dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    # The reference trains first: building a patched model patches the family's RoPE process-wide.
+    torch.manual_seed(0)
+    expected = train(transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).to(device))
+    torch.manual_seed(0)
+    patched = onca.AutoModelForCausalLM.from_config(tiny_config("llama")).to(device)
+    assert patched._onca_kernels["fused_linear_cross_entropy"] > 0
+    try:
+        got = train(patched)
+    finally:
+        onca.unapply(patched)
+    assert len(got) == 2 and got == pytest.approx(expected, rel=1e-4)
