@@ -44,11 +44,11 @@ and the per-token log-sum-exp).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from onca.device import DeviceProfile, accelerator, free_memory
+from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
 from onca.ops.cross_entropy import (
     TILES as CE_TILES,
@@ -59,7 +59,7 @@ from onca.ops.cross_entropy import (
     reduce_rows,
     validate_options,
 )
-from onca.tiling import ChunkPlan, RowPlan, plan_rows, plan_token_chunks
+from onca.tiling import ChunkPlan, plan_rows, plan_token_chunks
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyFunction", "plan", "chunk_plan",
            "CHUNK_TOKENS", "FREE_FRACTION"]
@@ -111,19 +111,6 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 # --------------------------------------------------------------------------------------- launchers
 
 
-@functools.lru_cache(maxsize=None)
-def _addmm_out_dtype(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` accumulates ``dtype`` operands into fp32
-    here (CUDA with torch >= 2.8); elsewhere the fp32 path goes through bounded vocab slices."""
-    try:
-        a = torch.zeros(2, 2, dtype=dtype, device=device_type)
-        c = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-        return True
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
 def _accumulate_dw(dw: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
     """``dw (+)= dlogits.T @ h``: overwrite on the first chunk, accumulate after."""
     if dw.dtype == dlogits.dtype:
@@ -131,7 +118,7 @@ def _accumulate_dw(dw: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, fir
             torch.mm(dlogits.t(), h, out=dw)
         else:
             dw.addmm_(dlogits.t(), h)
-    elif _addmm_out_dtype(dw.device.type, dlogits.dtype):
+    elif has_fp32_out_dtype(dw.device.type, dlogits.dtype):
         torch.addmm(dw, dlogits.t(), h, out_dtype=dw.dtype, out=dw)
     else:
         # fp32 accumulation of low-precision operands without out_dtype: slices of the vocabulary,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from onca.device import DeviceProfile, free_memory
+from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
 from onca.ops.jsd import (
     check_beta,
@@ -81,9 +82,6 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 # ------------------------------------------------------------------------------------ the matmuls
 
-_OUT_DTYPE_OK = {"mm": True, "addmm": True}
-
-
 def _fp32_matmul_operands(device) -> bool:
     """Whether the fallback for a low-precision fp32-output matmul upcasts the operands (exact, as
     the fp32-output matmul: used on the CPU) rather than rounding the product first."""
@@ -95,12 +93,9 @@ def _logits(h: torch.Tensor, w: torch.Tensor, w_up: torch.Tensor | None, out: to
     if h.dtype == torch.float32:
         torch.mm(h, w.t(), out=out)
         return
-    if h.device.type == "cuda" and _OUT_DTYPE_OK["mm"]:
-        try:
-            torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):  # an older torch: no out_dtype
-            _OUT_DTYPE_OK["mm"] = False
+    if has_fp32_out_dtype(h.device.type, h.dtype):
+        torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
+        return
     if w_up is not None:
         torch.mm(h.float(), w_up.t(), out=out)
     else:
@@ -112,12 +107,9 @@ def _accumulate_dw(dw: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
     if dz.dtype == dw.dtype:
         dw.addmm_(dz.t(), h)
         return
-    if dw.device.type == "cuda" and _OUT_DTYPE_OK["addmm"]:
-        try:
-            torch.addmm(dw, dz.t(), h, out_dtype=torch.float32, out=dw)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_OK["addmm"] = False
+    if has_fp32_out_dtype(dw.device.type, dz.dtype):
+        torch.addmm(dw, dz.t(), h, out_dtype=torch.float32, out=dw)
+        return
     if _fp32_matmul_operands(dw.device):
         dw.addmm_(dz.t().float(), h.float())
     else:
