@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         offset: float = 0.0,
         casting_mode: str = "llama",
         init_fn: str = "ones",
-        in_place: bool = False,
+        overwrite_grad_output: bool = False,
         device=None,
         dtype=None,
     ):
@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.casting_mode = casting_mode
         self.init_fn = init_fn
-        self.in_place = in_place
+        self.overwrite_grad_output = overwrite_grad_output
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -58,10 +58,10 @@ class RMSNorm(nn.Module):
         self.eps = value
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.eps, self.offset, self.casting_mode, self.in_place)
+        return rms_norm(hidden_states, self.weight, self.eps, self.offset, self.casting_mode, self.overwrite_grad_output)
 
     def extra_repr(self) -> str:
         return (
             f"{self.hidden_size}, eps={self.eps}, offset={self.offset}, "
-            f"casting_mode={self.casting_mode!r}, in_place={self.in_place}"
+            f"casting_mode={self.casting_mode!r}, overwrite_grad_output={self.overwrite_grad_output}"
         )

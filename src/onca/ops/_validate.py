@@ -46,18 +46,15 @@ def check_last_dim(t: torch.Tensor, name: str, size: int, what: str) -> None:
         raise ValueError(f"{name} must have last dimension {size} ({what}), got shape {tuple(t.shape)}")
 
 
-def check_shape(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+def check_bool(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 2-D ``(rows, last_dim)`` matrix with unit column stride, copying only if needed."""
-    if t.is_contiguous():  # the common case, on every launch: keep it cheap
-        return t.view(-1, t.shape[-1])
-    if t.dim() > 0 and t.stride(-1) != 1:
-        t = t.contiguous()
-    rows = t.reshape(-1, t.shape[-1])
-    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-        rows = rows.contiguous()
-    return rows
+def check_number(value, name: str, *, minimum: float | None = None) -> None:
+    """``value`` is a real Python number (not a string, not a tensor), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if value != value or (minimum is not None and not value >= minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{name} must be a number{bound}, got {value!r}")

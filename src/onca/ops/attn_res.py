@@ -47,7 +47,8 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
-from onca.ops._validate import as_rows, check_float, check_nonempty, check_same_device, check_tensor
+from onca.ops._rows import as_rows
+from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
 __all__ = ["attn_res", "AttnResFunction", "plan"]

@@ -35,7 +35,8 @@ import triton.language as tl
 
 from onca.device import DeviceProfile
 from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
-from onca.ops._validate import as_rows, check_float, check_last_dim, check_nonempty, check_same_device
+from onca.ops._rows import as_rows
+from onca.ops._validate import check_float, check_last_dim, check_nonempty, check_same_device
 from onca.ops.rms_norm import CASTING_MODES, _normalized, _scale
 from onca.tiling import RowPlan, plan_rows
 

@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile, get_profile
+from onca.ops._rows import as_rows
 from onca.ops._validate import (
-    as_rows,
     check_float,
     check_index,
     check_nonempty,

@@ -26,11 +26,15 @@ import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
+from torch import Tensor
+
+from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
-from onca.ops._validate import as_rows, check_float, check_last_dim, check_nonempty, check_same_device
+from onca.ops._rows import as_rows, rows_cols
+from onca.ops._validate import check_bool, check_float, check_last_dim, check_number, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["rms_norm", "RMSNormFunction", "CASTING_MODES", "plan"]
+__all__ = ["rms_norm", "CASTING_MODES", "plan"]
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 
@@ -194,30 +198,27 @@ def _rms_norm_backward_kernel(
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The forward and backward plans for an input of ``shape`` (``(..., hidden)``)."""
-    rows, cols = _rows_cols(shape)
+    rows, cols = rows_cols(shape)
     return {
         "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
         "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
     }
 
 
-def _rows_cols(shape) -> tuple[int, int]:
-    shape = tuple(int(s) for s in shape)
-    cols = shape[-1]
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    return rows, cols
-
-
-def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: int):
-    rows, cols = x2d.shape
-    p = plan_rows(rows, cols, x2d.dtype, **FORWARD_TILES)
-    y = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x2d.device)
+@custom_op("rms_norm_forward")
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, offset: float, casting: int,
+                     overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
+    """``(y, rstd)`` for the 2-D ``x``; ``rstd`` is fp32, one per row. ``overwrite_grad_output`` is
+    the backward's (see ``rms_norm``)."""
+    rows, cols = x.shape
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, rstd
+    p = plan_rows(rows, cols, x.dtype, **FORWARD_TILES)
     _rms_norm_forward_kernel[(p.grid,)](
-        x2d, weight, y, rstd,
-        rows, cols, x2d.stride(0), y.stride(0),
+        x, weight, y, rstd,
+        rows, cols, x.stride(0), y.stride(0),
         eps, offset,
         CASTING=casting, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
@@ -225,64 +226,97 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
     return y, rstd
 
 
-def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, casting: int, in_place: bool):
-    rows, cols = x2d.shape
-    p = plan_rows(rows, cols, x2d.dtype, persistent=True, **BACKWARD_TILES)
-    dx = dy2d if in_place else torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
-    dw_partial = partial_buffer(p.grid, cols, x2d.device)
+@rms_norm_forward.register_fake
+def _(x, weight, eps, offset, casting, overwrite_grad_output):
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@custom_op("rms_norm_backward")
+def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, offset: float, casting: int,
+                      overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)``; with ``overwrite_grad_output`` (eager route only) ``dx`` is written into
+    ``dy``'s storage."""
+    rows, cols = x.shape
+    dx = dy if overwrite_grad_output else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return dx, torch.zeros_like(weight)
+    p = plan_rows(rows, cols, x.dtype, persistent=True, **BACKWARD_TILES)
+    dw_partial = partial_buffer(p.grid, cols, x.device)
     # The column-tiled path keeps each row's mean(dn * n) between its two phases.
-    c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=x2d.device)
+    c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=x.device)
     _rms_norm_backward_kernel[(p.grid,)](
-        dy2d, x2d, weight, rstd, dx, dw_partial, c,
-        rows, cols, dy2d.stride(0), x2d.stride(0), dx.stride(0), offset,
+        dy, x, weight, rstd, dx, dw_partial, c,
+        rows, cols, dy.stride(0), x.stride(0), dx.stride(0), offset,
         CASTING=casting, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
     return dx, sum_partials(dw_partial, weight.dtype)
 
 
+@rms_norm_backward.register_fake
+def _(dy, x, weight, rstd, offset, casting, overwrite_grad_output):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
 # ---------------------------------------------------------------------------------------- autograd
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves ``x`` (as the 2-D view used by the kernels) and fp32 ``rstd``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
-        casting = _validate(x, weight, eps, casting_mode)
-        x2d = as_rows(x)
-        weight = weight.contiguous()
-        y, rstd = rms_norm_forward(x2d, weight, float(eps), float(offset), casting)
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.offset, ctx.casting, ctx.in_place, ctx.x_shape = float(offset), casting, in_place, x.shape
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, weight, rstd = ctx.saved_tensors
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        in_place = ctx.in_place and dy2d.is_contiguous() and dy2d.dtype == x2d.dtype
-        if not in_place:
-            dy2d = as_rows(dy2d)
-        dx, dw = rms_norm_backward(dy2d, x2d, weight, rstd, ctx.offset, ctx.casting, in_place)
-        return dx.view(ctx.x_shape), dw, None, None, None, None
+def _setup_context(ctx, inputs, output):
+    x, weight, _eps, offset, casting, overwrite_grad_output = inputs
+    _y, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.offset, ctx.casting, ctx.overwrite_grad_output = offset, casting, overwrite_grad_output
 
 
-def _validate(x, weight, eps, casting_mode) -> int:
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    # The incoming gradient is reused only where the caller asked for it and it can hold dx.
+    overwrite = (ctx.overwrite_grad_output and not tracing(dy) and dy.is_contiguous()
+                 and dy.dtype == x.dtype)
+    dx, dw = rms_norm_backward(as_rows(dy), x, weight, rstd, ctx.offset, ctx.casting, overwrite)
+    return dx, dw, None, None, None, None
+
+
+register_autograd(rms_norm_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _validate(x, weight, eps, offset, casting_mode) -> int:
     check_float(x, "x")
     check_float(weight, "weight")
-    check_nonempty(x, "x")
     if weight.dim() != 1:
         raise ValueError(f"weight must be 1-D (hidden_size,), got shape {tuple(weight.shape)}")
     check_last_dim(x, "x", weight.shape[0], "the weight's hidden size")
     check_same_device(weight, "weight", x, "x")
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"casting_mode must be one of {sorted(CASTING_MODES)}, got {casting_mode!r}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    check_number(eps, "eps", minimum=0.0)
+    check_number(offset, "offset")
     return CASTING_MODES[casting_mode]
 
 
-def rms_norm(x, weight, eps=1e-6, offset=0.0, casting_mode="llama", in_place=False):
-    """RMSNorm over the last dimension of ``x`` (any leading shape). See the module docstring."""
-    return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, in_place)
+def rms_norm(
+    x: Tensor,
+    weight: Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    overwrite_grad_output: bool = False,
+) -> Tensor:
+    """RMSNorm over the last dimension: ``x / sqrt(mean(x**2) + eps) * (offset + weight)``.
+
+    ``casting_mode`` is ``"llama"`` (normalise in fp32, cast to ``x``'s dtype, then scale),
+    ``"gemma"`` (all in fp32, then cast; use with ``offset=1.0`` for Gemma's ``1 + w``) or
+    ``"none"`` (round to ``x``'s dtype at each step). The result has ``x``'s dtype and shape; ``x``
+    may have any leading shape, including no rows.
+    ``overwrite_grad_output=True`` lets the backward pass write ``dx`` into the storage of the
+    gradient that arrives for the output (eager only; compiled graphs manage their own buffers).
+    """
+    casting = _validate(x, weight, eps, offset, casting_mode)
+    check_bool(overwrite_grad_output, "overwrite_grad_output")
+    y, _ = rms_norm_forward(as_rows(x), weight.contiguous(), float(eps), float(offset), casting,
+                            overwrite_grad_output)
+    return y.view(x.shape)

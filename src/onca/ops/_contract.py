@@ -1,0 +1,111 @@
+"""The op contract: every op's kernels are reached through PyTorch custom ops in the ``onca``
+namespace, so that ``torch.compile(fullgraph=True)`` traces a whole model without a break, CUDA
+graphs capture it, and ``torch.library.opcheck`` can check it.
+
+An op file declares its launchers with :func:`custom_op` (a thin layer over
+``torch.library.custom_op``) and gives each a fake implementation (shapes and dtypes only), then
+registers the differentiable ones with :func:`register_autograd`. Calling the resulting
+:class:`Op` picks the route:
+
+- **eager** (plain tensors, nothing tracing): the launcher runs directly, and a differentiable
+  op goes through a ``torch.autograd.Function`` built from the same ``setup_context`` and
+  ``backward``. This skips the dispatcher's Python custom-op layers, which cost tens of
+  microseconds per call: at small and medium sizes that is more than the kernel.
+- **traced** (``torch.compile``, ``make_fx``, fake tensors, tensor subclasses, dispatch modes):
+  the registered ``torch.ops.onca.*`` op, which tracers see as one opaque node whose shapes come
+  from its fake implementation.
+
+Both routes run the same launcher, fake-free, and the same backward formula: the route changes
+nothing but the Python path to the kernel. Launchers never synchronise with the host (no
+``.item()``, ``.tolist()``, ``bool(tensor)``): counts and scales stay on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NAMESPACE", "OPS", "Op", "custom_op", "register_autograd", "tracing"]
+
+NAMESPACE = "onca"
+
+# Every registered op by its name in the namespace (tests walk it: every op is checked).
+OPS: dict[str, Op] = {}
+
+# Tensor types the launchers can run on directly; anything else (FakeTensor, FunctionalTensor,
+# DTensor, other subclasses) goes through the dispatcher.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def tracing(*tensors) -> bool:
+    """Whether these tensors are being traced rather than computed (the registered op's route)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return any(t is not None and type(t) not in _PLAIN for t in tensors)
+
+
+class Op:
+    """One launcher registered as ``torch.ops.onca.<name>``, callable on either route."""
+
+    def __init__(self, name: str, fn, mutates_args):
+        self.name = name
+        self.fn = fn
+        self.registered = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates_args)
+        self._function = None  # the eager autograd.Function, once register_autograd has run
+        OPS[name] = self
+
+    def register_fake(self, fake):
+        self.registered.register_fake(fake)
+        return fake
+
+    @property
+    def differentiable(self) -> bool:
+        return self._function is not None
+
+    @property
+    def overload(self):
+        """``torch.ops.onca.<name>.default``: what tracers record and what opcheck checks."""
+        return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+
+    def __call__(self, *args):
+        if tracing(*(a for a in args if isinstance(a, torch.Tensor))):
+            return self.registered(*args)
+        if self._function is not None and torch.is_grad_enabled():
+            return self._function.apply(*args)
+        return self.fn(*args)
+
+
+def custom_op(name: str, *, mutates_args=()):
+    """Decorator: register a launcher as ``torch.ops.onca.<name>`` and return its :class:`Op`.
+
+    The launcher's type annotations are its schema (``torch.library.custom_op``'s rules): tensors,
+    ``float``, ``int``, ``bool``, ``str``, optional tensors, lists of those; outputs are tensors
+    or tuples of tensors that never alias an input.
+    """
+
+    def wrap(fn) -> Op:
+        return Op(name, fn, mutates_args)
+
+    return wrap
+
+
+def register_autograd(op: Op, backward, *, setup_context) -> None:
+    """Register ``backward``/``setup_context`` for ``op`` on both routes.
+
+    ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)`` follow
+    ``torch.library.register_autograd``; ``backward`` calls the op's backward :class:`Op`, which
+    picks its own route, so the compiled graph records it as a custom op too.
+    """
+    op.registered.register_autograd(backward, setup_context=setup_context)
+
+    def forward(*args):
+        return op.fn(*args)
+
+    op._function = type(
+        f"{op.name}_function",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+        },
+    )
