@@ -99,7 +99,7 @@ def cmd_bench(args) -> int:
 
     from onca import device
     from onca.bench import harness, plot, records, report
-    from onca.bench.spec import MODES, PROVIDERS
+    from onca.bench.spec import MODES, PROVIDERS, SWEEP_KINDS
 
     if args.list:
         for op in harness.list_ops():
@@ -112,7 +112,12 @@ def cmd_bench(args) -> int:
         if len(targets) != 2:
             print("usage: onca bench summary CSV", file=sys.stderr)
             return 2
-        print(report.summary(records.latest(records.read_csv(targets[1]))))
+        rows = records.latest(records.read_csv(targets[1]))
+        print(report.summary(rows))
+        overhead = report.overhead_summary(rows)
+        if overhead:
+            print("\nHost overhead (16 tokens, full mode, wall clock per call):\n")
+            print(overhead)
         return 0
     if targets[:1] == ["plot"]:
         if len(targets) != 2:
@@ -144,8 +149,8 @@ def cmd_bench(args) -> int:
     runner = harness.Harness(settings, progress=not args.no_progress)
     for op in ops:
         bench = harness.load(op)
-        kinds = ("d1", "d2") if args.sweep == "all" else (args.sweep,)
-        sweeps = [s for s in bench.sweeps if s.kind in kinds]
+        kinds = SWEEP_KINDS if args.sweep == "all" else (args.sweep,)
+        sweeps = [s for kind in kinds for s in bench.sweep(kind)]
         new = runner.run(bench, sweeps)
         print(report.table(new, "speed"))
         if settings.on_gpu:
@@ -181,6 +186,8 @@ def cmd_compare(args) -> int:
                                      seed=args.seed).items() if v is not None}
     if args.gradient_checkpointing is not None:
         changes["gradient_checkpointing"] = args.gradient_checkpointing
+    if args.compile:
+        changes["compile"] = True
     if args.model is not None and args.preset is None and not os.path.isdir(args.model):
         # Another family than the default: its first registry preset on a GPU, tiny on the CPU.
         model_type = presets.resolve_model_type(args.model)
@@ -220,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="onca bench OP|all [options], onca bench plot CSV, onca bench summary CSV, onca bench --list")
     bench.add_argument("targets", nargs="*", help="op names, 'all', 'plot CSV' or 'summary CSV'")
     bench.add_argument("--list", action="store_true", help="list the ops that have benchmarks")
-    bench.add_argument("--sweep", choices=["d1", "d2", "all"], default="all")
+    bench.add_argument("--sweep", choices=["d1", "d2", "overhead", "all"], default="all",
+                       help="d1 (one dimension), d2 (model shapes), overhead (16 tokens, wall clock) or all")
     bench.add_argument("--modes", type=_csv_list, default=("forward", "backward", "full"))
     bench.add_argument("--providers", type=_csv_list, default=("onca", "torch", "torch_compile", "liger"))
     bench.add_argument("--dtype", type=parse_dtype, default="bf16")
@@ -250,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--seed", type=int)
     compare.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None)
     compare.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    compare.add_argument("--compile", action="store_true",
+                         help="run every variant's model under torch.compile (inductor)")
     compare.add_argument("--variants", type=_csv_list, help="subset of huggingface,onca,liger")
     compare.add_argument("--plot", nargs="?", const="onca-compare.png", help="write a PNG (default onca-compare.png)")
     compare.add_argument("--no-progress", action="store_true")

@@ -5,7 +5,9 @@ For each point of a sweep and each provider, the harness
 1. estimates the provider's peak memory for each mode (the op's formula, corrected by a probe run
    at a small size) and skips what would not fit the device's free memory, recording the estimate;
 2. times forward, backward and full (forward + backward) with the 20th, 50th and 80th percentiles
-   (GPU: ``triton.testing.do_bench``, CUDA events, warm-up and an L2 flush before each repetition);
+   (GPU: ``triton.testing.do_bench``, CUDA events, warm-up and an L2 flush before each repetition;
+   the overhead sweep instead times back-to-back calls by wall clock, host path included, as a
+   small training step experiences them);
 3. measures the peak memory of each mode (``torch.cuda.max_memory_allocated``, inputs included);
 4. turns bytes moved into GB/s and percent of the profile's peak and of the measured copy bandwidth,
    and FLOPs into TFLOP/s, where the op declares them.
@@ -138,12 +140,13 @@ class Harness:
         for sweep in sweeps:
             records = self._records_for(bench, sweep, stamp)
             for _, x, params in [w for w in work if w[0] is sweep]:
-                key = tuple(sorted((k, repr(v)) for k, v in params.items() if k != "model"))
+                key = (sweep.kind == "overhead",
+                       tuple(sorted((k, repr(v)) for k, v in params.items() if k != "model")))
                 for provider in self.settings.providers:
                     bar.set_postfix_str(f"{sweep.x_name}={x} {provider}")
                     if (provider, key) not in measured:
                         measured[(provider, key)] = self._run_point(bench, provider, states[provider], params,
-                                                                    x, profile)
+                                                                    x, profile, wall_clock=key[0])
                     for (metric, mode), point in measured[(provider, key)].items():
                         records[(provider, metric, mode)].points.append(dataclasses.replace(point, x=x))
                     bar.update(1)
@@ -183,7 +186,7 @@ class Harness:
             return bench.liger
         raise ValueError(f"unknown provider {provider!r} (providers: {', '.join(PROVIDERS)})")
 
-    def _run_point(self, bench, provider, state, params, x, profile) -> dict[tuple, Point]:
+    def _run_point(self, bench, provider, state, params, x, profile, wall_clock=False) -> dict[tuple, Point]:
         modes = [m for m in self.settings.modes if m in bench.modes]
         out: dict[tuple, Point] = {}
         if not state.available:
@@ -208,7 +211,7 @@ class Harness:
                         inputs = bench.make_inputs(params, self.settings.dtype, self.settings.device)
                         # Built once per point: modules, options and torch.compile's graph.
                         run = self._factory(bench, provider)(params, inputs)
-                    speed, memory = self._measure(run, inputs, mode)
+                    speed, memory = self._measure(run, inputs, mode, wall_clock)
                 except torch.OutOfMemoryError as exc:
                     inputs = run = None
                     _free()
@@ -250,14 +253,14 @@ class Harness:
 
     # ---------------------------------------------------------------------------- measuring
 
-    def _measure(self, run, inputs, mode):
+    def _measure(self, run, inputs, mode, wall_clock=False):
         leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-        speed = self._time_mode(run, leaves, mode)
+        speed = self._time_mode(run, leaves, mode, wall_clock)
         # The timing closure (and any graph it kept) is gone before memory is measured.
         memory = self._peak_memory(run, mode, leaves)
         return speed, memory
 
-    def _time_mode(self, run, leaves, mode):
+    def _time_mode(self, run, leaves, mode, wall_clock=False):
         for t in leaves:
             t.grad = None
         if mode == "forward":
@@ -283,7 +286,22 @@ class Harness:
             return fn()
 
         timed()  # warm-up outside the timed region: compilation, autotuning, allocator growth
+        if wall_clock and self.settings.on_gpu:
+            return self._time_back_to_back(timed)
         return self._time(timed, leaves)
+
+    def _time_back_to_back(self, fn, calls: int = 200, repeats: int = 7):
+        """Milliseconds per call of ``calls`` calls issued back to back, then one synchronisation:
+        at host-bound sizes this is the host path's cost, which event timing of one call hides."""
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3 / calls)
+        return percentiles(times)
 
     def _time(self, fn, leaves):
         if self.settings.on_gpu:

@@ -93,5 +93,26 @@ def summary(rows: list[dict], mode: str = "full") -> str:
     return "\n".join(lines)
 
 
+def overhead_summary(rows: list[dict], mode: str = "full") -> str:
+    """A Markdown table of the overhead sweep (16 tokens, wall clock per call): per op, each
+    provider's time and its ratio to onca's (above 1: onca is faster). Empty if none was run."""
+    by_key = {(r["kernel_name"], r["kernel_provider"]): r for r in rows
+              if r["sweep"] == "overhead" and r["kernel_operation_mode"] == mode and r["metric_name"] == "speed"}
+    if not by_key:
+        return ""
+    providers = ("torch", "torch_compile", "liger")
+    head = ["kernel", "onca ms", *(f"{p} ms" for p in providers), *(f"vs {p}" for p in providers)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op in sorted({k[0] for k in by_key}):
+        def get(provider):
+            r = by_key.get((op, provider))
+            return r["y_value_50"] if r and r["status"] == "ok" else math.nan
+        onca = get("onca")
+        cells = [op, _fmt(onca, 4), *(_fmt(get(p), 4) for p in providers), *(_fmt(get(p) / onca, 2, "x")
+                                                                               for p in providers)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _fmt(value: float, digits: int, suffix: str = "") -> str:
     return "-" if math.isnan(value) else f"{value:.{digits}f}{suffix}"

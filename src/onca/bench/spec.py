@@ -10,7 +10,9 @@ Each op has one module ``onca/bench/ops/<op>.py`` defining ``BENCHMARK = OpBench
   PyTorch / Hugging Face computation; the harness times it as ``torch`` and, compiled, as
   ``torch_compile``. ``liger`` imports liger-kernel inside the factory; an ``ImportError`` marks
   the provider unavailable.
-- ``sweeps``: D1 sweeps over one non-model dimension and a D2 sweep over the model registry.
+- ``sweeps``: D1 sweeps over one non-model dimension and a D2 sweep over the model registry. Every
+  op also has an overhead sweep, derived from ``probe`` (16 tokens): a host-bound point, timed by
+  wall clock over back-to-back calls, where each provider's Python and launch path is the cost.
 - ``bytes_moved(params, dtype, mode)``: the fewest bytes the mode must move through memory (each
   input read once, each output written once), for achieved GB/s; ``flops(params, mode)`` for
   matmul-bound ops.
@@ -28,6 +30,9 @@ import torch
 from onca.bench.models import MODELS, ModelConfig
 
 MODES = ("forward", "backward", "full")
+SWEEP_KINDS = ("d1", "d2", "overhead")
+# The overhead sweep's size: few enough tokens that every provider is bound by its host path.
+OVERHEAD_TOKENS = 16
 PROVIDERS = ("onca", "torch", "torch_compile", "liger")
 
 Params = dict[str, Any]
@@ -39,14 +44,14 @@ Factory = Callable[[Params, Inputs], Callable[[], Any]]
 class Sweep:
     """A list of points: ``(x value, params)`` pairs along one axis."""
 
-    kind: str  # "d1" or "d2"
+    kind: str  # "d1", "d2" or "overhead"
     x_name: str
     x_label: str
     points: tuple[tuple[Any, Params], ...]
 
     def __post_init__(self):
-        if self.kind not in ("d1", "d2"):
-            raise ValueError(f"Sweep.kind must be 'd1' or 'd2', got {self.kind!r}")
+        if self.kind not in SWEEP_KINDS:
+            raise ValueError(f"Sweep.kind must be one of {', '.join(SWEEP_KINDS)}, got {self.kind!r}")
 
 
 def d1(x_name: str, values, fixed: Params, x_label: str | None = None) -> Sweep:
@@ -83,7 +88,15 @@ class OpBenchmark:
     config: str = ""
 
     def sweep(self, kind: str) -> list[Sweep]:
+        if kind == "overhead":
+            return [self.overhead_sweep()]
         return [s for s in self.sweeps if s.kind == kind]
+
+    def overhead_sweep(self) -> Sweep:
+        """The probe's configuration cut to ``OVERHEAD_TOKENS`` tokens (or sequence positions)."""
+        params = {k: (OVERHEAD_TOKENS if k in ("tokens", "seq") else v) for k, v in self.probe.items()}
+        label = f"host-bound point ({OVERHEAD_TOKENS} tokens, wall clock)"
+        return Sweep("overhead", "tokens", label, ((OVERHEAD_TOKENS, params),))
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -31,6 +31,7 @@ class Settings:
     dtype: torch.dtype = torch.float32
     lr: float = 1e-4
     gradient_checkpointing: bool = False
+    compile: bool = False  # every variant's model under torch.compile (inductor)
     layers: int | None = None
     warmup_steps: int = 2
     seed: int = 0
@@ -120,13 +121,14 @@ def batches(settings: Settings, vocab_size: int) -> list[torch.Tensor]:
 def train(variant: str, settings: Settings, config, data, progress=None) -> RunResult:
     result = RunResult(variant)
     cuda = settings.device == "cuda"
-    model = optimizer = None
+    model = optimizer = forward = None
     try:
         model = _build_model(settings, config)
         _patch(variant, model)
         if settings.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        forward = torch.compile(model) if settings.compile else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, **({"fused": True} if cuda else {}))
         if cuda:
             torch.cuda.empty_cache()
@@ -135,7 +137,7 @@ def train(variant: str, settings: Settings, config, data, progress=None) -> RunR
             tokens = tokens.to(settings.device)
             _sync(cuda)
             start = time.perf_counter()
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = forward(input_ids=tokens, labels=tokens).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -150,10 +152,13 @@ def train(variant: str, settings: Settings, config, data, progress=None) -> RunR
         result.error = f"not installed ({exc})"
     except torch.OutOfMemoryError as exc:
         result.error = f"out of memory: {str(exc).splitlines()[0][:120]}"
+    except Exception as exc:  # one failing variant must not hide the others' results
+        result.error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     finally:
         if model is not None:
             _unpatch(variant, model)
-        del model, optimizer
+        forward = None
+        del model, optimizer, forward
         if cuda:
             torch.cuda.empty_cache()
     return result
@@ -189,7 +194,8 @@ def report(results: list[RunResult], settings: Settings, config) -> str:
         f"{config.model_type} ({settings.preset if not os.path.isdir(settings.model) else settings.model}): "
         f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}; "
         f"batch {settings.batch} x seq {settings.seq}, {str(settings.dtype).replace('torch.', '')}, AdamW, "
-        f"gradient checkpointing {'on' if settings.gradient_checkpointing else 'off'}, {settings.device}",
+        f"gradient checkpointing {'on' if settings.gradient_checkpointing else 'off'}, "
+        f"{'torch.compile, ' if settings.compile else ''}{settings.device}",
         "",
     ]
     head = f"{'':14s}{'tokens/s':>12s}{'step ms':>10s}{'peak MB':>10s}{'final loss':>12s}{'speed':>8s}{'memory':>8s}"

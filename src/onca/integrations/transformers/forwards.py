@@ -66,9 +66,33 @@ for _fn in MLP_FORWARDS.values():
     _fn.__onca__ = "mlp"
 
 
-def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Mixtral / Qwen3-MoE experts (3-D ``gate_up_proj`` and ``down_proj``), the fused activation
-    in place of ``act_fn(gate) * up``; the routing is transformers' own."""
+def experts_apply_gate(self, gate_up):
+    """The activation between the experts' two GEMMs, ``silu(gate) * up`` over ``[gate | up]``
+    halves, for transformers' experts implementations that call ``_apply_gate`` (``grouped_mm``,
+    ``batched_mm``): their routing and GEMMs stay, and compile without a graph break."""
+    return OF.swiglu(gate_up)
+
+
+experts_apply_gate.__onca__ = "mlp"
+
+
+def make_experts_forward(original_forward):
+    """Mixtral / Qwen3-MoE experts (3-D ``gate_up_proj`` and ``down_proj``). With a GEMM-based
+    experts implementation, transformers' own forward (which calls the patched ``_apply_gate``);
+    with the ``eager`` one (or a transformers without ``_apply_gate``), its per-expert loop with the
+    fused activation in place of ``act_fn(gate) * up``."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+        if implementation not in (None, "eager") and hasattr(type(self), "_apply_gate"):
+            return original_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _experts_loop(self, hidden_states, top_k_index, top_k_weights)
+
+    forward.__onca__ = "mlp"
+    return forward
+
+
+def _experts_loop(self, hidden_states, top_k_index, top_k_weights):
     final = torch.zeros_like(hidden_states)
     with torch.no_grad():
         expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -78,14 +102,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         if expert_idx == self.num_experts:
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-        gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-        out = F.linear(OF.swiglu(gate, up), self.down_proj[expert_idx])
+        gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
+        out = F.linear(OF.swiglu(gate_up), self.down_proj[expert_idx])
         out = out * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, out.to(final.dtype))
     return final
-
-
-experts_forward.__onca__ = "mlp"
 
 
 # ----------------------------------------------------------------------------------------- RoPE

@@ -75,7 +75,9 @@ def apply(model, **kernels) -> torch.nn.Module:
             _patch_instance(module, forwards.MLP_FORWARDS[family.mlp])
             counts["mlp"] += 1
         elif use["mlp"] and family.experts and name == family.experts_class:
-            _patch_instance(module, forwards.experts_forward)
+            _patch_instance(module, forwards.make_experts_forward(_forward_of(module)))
+            if hasattr(type(module), "_apply_gate"):
+                module._apply_gate = types.MethodType(forwards.experts_apply_gate, module)
             counts["mlp"] += 1
     if use["fused_linear_cross_entropy"]:
         if type(model).__name__ != family.causal_lm_class:
@@ -105,8 +107,9 @@ def unapply(model) -> torch.nn.Module:
     """Undo ``apply``: every instance forward Onca set is removed, and RoPE's module-level patch is
     undone once no other patched model of the family uses it."""
     for module in model.modules():
-        if getattr(module.__dict__.get("forward"), "__onca__", None):
-            del module.forward
+        for attr in ("forward", "_apply_gate"):
+            if getattr(module.__dict__.get(attr), "__onca__", None):
+                delattr(module, attr)
     if getattr(model, "_onca_rope", False):
         family = family_of(_model_type(model))
         _ROPE_USERS[family.model_type] -= 1
@@ -126,16 +129,18 @@ def apply_to(model_type: str, **kernels) -> Family:
     targets = []
     if use["rms_norm"]:
         targets.append((family.norm_class, forwards.make_rms_norm_forward(family)))
-    if use["mlp"]:
-        name = family.experts_class if family.experts else family.mlp_class
-        targets.append((name, forwards.experts_forward if family.experts else forwards.MLP_FORWARDS[family.mlp]))
-        if family.experts and hasattr(modeling, family.mlp_class):
+    if use["mlp"] and family.experts:
+        experts = _class_of(modeling, family.experts_class)
+        targets.append((family.experts_class, forwards.make_experts_forward(_ORIGINALS.get(
+            (experts, "forward"), experts.forward))))
+        if hasattr(experts, "_apply_gate"):
+            _patch_global(experts, "_apply_gate", forwards.experts_apply_gate)
+        if hasattr(modeling, family.mlp_class):
             targets.append((family.mlp_class, forwards.MLP_FORWARDS[family.mlp]))
+    elif use["mlp"]:
+        targets.append((family.mlp_class, forwards.MLP_FORWARDS[family.mlp]))
     for class_name, forward in targets:
-        cls = getattr(modeling, class_name, None)
-        if cls is None:
-            raise ValueError(f"onca.apply_to: transformers has no {class_name} in {modeling.__name__}")
-        _patch_global(cls, "forward", forward)
+        _patch_global(_class_of(modeling, class_name), "forward", forward)
     if use["fused_linear_cross_entropy"]:
         cls = getattr(modeling, family.causal_lm_class)
         original = _ORIGINALS.get((cls, "forward"), cls.forward)
@@ -153,8 +158,16 @@ def unapply_to(model_type: str) -> None:
         cls = getattr(modeling, class_name, None)
         if cls is not None:
             _restore_global(cls, "forward")
+            _restore_global(cls, "_apply_gate")
     if not _ROPE_USERS.get(family.model_type):
         _restore_global(modeling, "apply_rotary_pos_emb")
+
+
+def _class_of(modeling, class_name: str):
+    cls = getattr(modeling, class_name, None)
+    if cls is None:
+        raise ValueError(f"onca.apply_to: transformers has no {class_name} in {modeling.__name__}")
+    return cls
 
 
 def _class_patched(family: Family) -> bool:
