@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from onca.bench.models import MODELS, ModelConfig
+from onca.models import MODELS, ModelConfig
 
 MODES = ("forward", "backward", "full")
 SWEEP_KINDS = ("d1", "d2", "overhead")

@@ -3,7 +3,7 @@ demos) and real architectures' shapes from the benchmark model registry (GPU com
 
 from __future__ import annotations
 
-from onca.bench.models import MODELS, ModelConfig
+from onca.models import MODELS, ModelConfig
 from onca.integrations.transformers.families import family_of
 
 # transformers config class per model type

@@ -1,4 +1,4 @@
-"""The model registry: real architectures' shapes, for D2 sweeps (kernels at the sizes they meet).
+"""The model registry: real architectures' shapes, for the benchmarks' D2 sweeps and `onca compare`'s presets.
 
 Figures are from each model's published ``config.json``. Benchmarks derive their parameters from
 these (e.g. RMSNorm's hidden size, SwiGLU's intermediate size, cross entropy's vocabulary).

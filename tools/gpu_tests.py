@@ -1,0 +1,87 @@
+"""The GPU test suite in shards, each sized to finish in one device call (under 8 minutes).
+
+    python -m tools.gpu_tests --list            # the shards and their test files
+    python -m tools.gpu_tests 1                 # shard 1 at GPU scale (ONCA_TEST_SCALE=gpu)
+    python -m tools.gpu_tests all               # every shard, one after the other
+    python -m tools.gpu_tests 1 --memcheck      # shard 1 under compute-sanitizer's memcheck
+
+``--memcheck`` runs the shard's tests at CI scale (small shapes: the sanitizer slows kernels down
+by orders of magnitude) under ``compute-sanitizer --tool memcheck``; any memory error fails the
+run. Extra arguments after ``--`` go to pytest (e.g. ``-- -x -k contract``). The exit status is
+pytest's (or the sanitizer's), the first non-zero one over the shards run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+SHARDS: dict[str, tuple[str, ...]] = {
+    "1": (  # the norms
+        "tests/ops/test_rms_norm.py", "tests/ops/test_fused_add_rms_norm.py", "tests/ops/test_layer_norm.py",
+        "tests/ops/test_partials.py", "tests/nn/test_rms_norm.py", "tests/nn/test_fused_add_rms_norm.py",
+        "tests/nn/test_layer_norm.py",
+    ),
+    "2": (  # MLP activations, position and embedding
+        "tests/ops/test_swiglu.py", "tests/ops/test_geglu.py", "tests/ops/test_rope.py",
+        "tests/ops/test_embedding.py", "tests/ops/test_attn_res.py", "tests/nn/test_mlp.py",
+        "tests/nn/test_embedding.py", "tests/nn/test_attn_res.py",
+    ),
+    "3": (  # losses
+        "tests/ops/test_cross_entropy.py", "tests/ops/test_fused_linear_cross_entropy.py",
+        "tests/ops/test_kl_div.py", "tests/ops/test_jsd.py", "tests/ops/test_fused_linear_jsd.py",
+        "tests/nn/test_cross_entropy.py", "tests/nn/test_fused_linear_cross_entropy.py",
+        "tests/nn/test_kl_div.py", "tests/nn/test_jsd.py",
+    ),
+    "4": ("tests/integrations/test_convergence.py",),
+    "5": (  # patched models compiled and graph-captured, the harness, the command line
+        "tests/integrations/test_patching.py", "tests/integrations/test_compile.py",
+        "tests/integrations/test_cuda_graph.py", "tests/bench", "tests/test_cli.py", "tests/test_device.py",
+        "tests/test_tiling.py", "tests/test_gpu_shards.py",
+    ),
+}
+# Shards whose tests run kernels (what memcheck is for).
+KERNEL_SHARDS = ("1", "2", "3")
+
+
+def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ, ONCA_TEST_SCALE="cpu" if memcheck else "gpu", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SHARDS[shard], *pytest_args]
+    if memcheck:
+        sanitizer = shutil.which("compute-sanitizer") or "compute-sanitizer"
+        # --error-exitcode: a memory error fails the run even when the test itself passed.
+        cmd = [sanitizer, "--tool", "memcheck", "--target-processes", "all", "--error-exitcode", "97",
+               "--print-limit", "20", *cmd]
+    return cmd, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_tests", description=__doc__.split("\n")[0])
+    parser.add_argument("shard", nargs="?", help=f"one of {', '.join(SHARDS)}, or all")
+    parser.add_argument("--list", action="store_true", help="print the shards and exit")
+    parser.add_argument("--memcheck", action="store_true", help="under compute-sanitizer memcheck, CI scale")
+    args = parser.parse_args(argv)
+    if args.list or not args.shard:
+        for name, files in SHARDS.items():
+            print(f"{name}: {' '.join(files)}")
+        return 0
+    if args.shard != "all" and args.shard not in SHARDS:
+        parser.error(f"unknown shard {args.shard!r}; shards: {', '.join(SHARDS)}, all")
+    shards = list(KERNEL_SHARDS if args.memcheck else SHARDS) if args.shard == "all" else [args.shard]
+    status = 0
+    for shard in shards:
+        cmd, env = command(shard, args.memcheck, pytest_args)
+        print(f"== shard {shard}: {' '.join(cmd)}", flush=True)
+        code = subprocess.call(cmd, env=env)
+        status = status or code
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
