@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from onca.bench import harness, plot, records, report
-from onca.bench.models import MODELS, get_model
+from onca.models import MODELS, get_model
 from onca.bench.spec import OpBenchmark, Sweep, d1, d2
 
 SCHEMA = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from onca import device as onca_device
-from onca.bench.models import MODELS
+from onca.models import MODELS
 from onca.ops import embedding as op
 from onca.ops.embedding import IndexOutOfRangeError, embedding
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, randn

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import onca
-from onca.bench.models import MODELS
+from onca.models import MODELS
 from onca.device import PROFILES
 from onca.ops import rope as op
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, randn
