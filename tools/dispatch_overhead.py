@@ -3,6 +3,7 @@ directly) against its registered route (``torch.ops.onca.*`` through the dispatc
 custom-op layers), forward + backward at a host-bound size, wall clock over back-to-back calls.
 
     python -m tools.dispatch_overhead            # on a GPU; prints microseconds per call
+    python -m tools.dispatch_overhead --profile  # and where the eager route's host time goes
 
 This is the measurement behind ``onca.ops._contract``'s choice to bypass the dispatcher in eager
 mode; it forces the registered route by making the contract's route test always answer "traced".
@@ -33,6 +34,12 @@ def _per_call_us(fn, calls=300, repeats=7) -> float:
     return best
 
 
+@triton.jit
+def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+
 def main() -> None:
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -56,6 +63,13 @@ def main() -> None:
     print(f"  eager route (launcher called directly)   {eager:8.1f} us/call")
     print(f"  registered route (torch.ops.onca.*)       {registered:8.1f} us/call")
     print(f"  torch.nn.functional.rms_norm              {native_us:8.1f} us/call")
+    buf = torch.zeros(16, device="cuda")
+    launch_us = _per_call_us(lambda: _empty_kernel[(1,)](buf, 16, BLOCK=16))
+    print(f"  one launch of a trivial Triton kernel     {launch_us:8.1f} us/call (Triton {triton.__version__})")
+    if "--profile" in sys.argv:
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [step() for _ in range(500)])
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
