@@ -38,7 +38,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from torch import Tensor
 
 from onca.device import DeviceProfile
