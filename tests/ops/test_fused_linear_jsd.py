@@ -8,6 +8,7 @@ import torch
 
 from onca.ops import fused_linear_jsd as op
 from onca.ops.fused_linear_jsd import fused_linear_jsd
+from tests.contract import assert_op_contract
 from tests.helpers import SCALE, assert_close, leaf, randn
 from tests.ops.test_jsd import IGNORE, divergence_per_token, reduce_tokens
 
@@ -200,7 +201,56 @@ def test_bad_input(device):
         fused_linear_jsd(sh, sw, th, tw, labels.float())
     with pytest.raises(ValueError, match="teacher_weight is on meta"):
         fused_linear_jsd(sh, sw, th, torch.empty(100, 24, device="meta"))
-    with pytest.raises(ValueError, match="student_hidden is empty"):
-        fused_linear_jsd(sh[:0], sw, th[:0], tw)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        fused_linear_jsd(sh, sw, th, tw, labels, ignore_index=None)
+    with pytest.raises(TypeError, match="temperature must be a number"):
+        fused_linear_jsd(sh, sw, th, tw, temperature="2")
     with pytest.raises(TypeError, match="teacher_weight must be a torch.Tensor"):
         fused_linear_jsd(sh, sw, th, None)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("with_labels", [False, True])
+def test_empty_input(device, reduction, with_labels):
+    """No tokens: the reference's loss (a sum of 0; a mean of 0 with labels, NaN without), an empty
+    hidden-state gradient and a zero head gradient."""
+    sh, sw, th, tw, labels = make_inputs(0, 16, 24, 100, torch.float32, device, batch=2)
+    labels = labels if with_labels else None
+    shk, swk = leaf(sh), leaf(sw)
+    loss = fused_linear_jsd(shk, swk, th, tw, labels, reduction=reduction)
+    ref, _, sw64 = reference(sh, sw, th, tw, labels, 0.5, 1.0, reduction)
+    torch.testing.assert_close(loss, ref.to(loss.dtype), equal_nan=True)
+    loss.backward()
+    ref.backward()
+    assert shk.grad.shape == sh.shape
+    assert torch.equal(swk.grad, sw64.grad.to(swk.dtype)) and not swk.grad.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast(device, dtype):
+    """Under torch.autocast the fp32 hidden states and heads are used in the autocast dtype, as
+    F.linear would use them; the gradients reach the fp32 leaves."""
+    sh, sw, th, tw, labels = make_inputs(20, 16, 24, 300, torch.float32, device, ignore_every=3)
+    shk, swk = leaf(sh), leaf(sw)
+    with torch.autocast(torch.device(device).type, dtype=dtype):
+        loss = fused_linear_jsd(shk, swk, th, tw, labels, 0.5, IGNORE, 2.0)
+    ref, sh64, sw64 = reference(*(t.to(dtype) for t in (sh, sw, th, tw)), labels, 0.5, 2.0)
+    assert loss.dtype == dtype
+    assert_close(loss, ref, dtype, "loss")
+    loss.backward()
+    ref.backward()
+    assert shk.grad.dtype == torch.float32 and swk.grad.dtype == torch.float32
+    assert_close(shk.grad, sh64.grad, dtype, "dstudent_hidden")
+    assert_close(swk.grad, sw64.grad, dtype, "dstudent_weight")
+
+
+@pytest.mark.parametrize("dtype, head_grad", [(torch.float32, True), (torch.bfloat16, False)], ids=str)
+def test_op_contract(device, dtype, head_grad):
+    """Custom op (opcheck), fullgraph compile equal to eager, no host synchronisation; with and
+    without the head's gradient, fp32 and bf16 (the gradient written over the fp32 logits)."""
+    sh, sw, th, tw, labels = make_inputs(6, 8, 12, 24, dtype, device, ignore_every=4, batch=2)
+    def fn(sh, sw, th, tw, labels):
+        return fused_linear_jsd(sh, sw, th, tw, labels, 0.5, IGNORE, 2.0)
+
+    inputs = (sh.requires_grad_(), sw.requires_grad_(head_grad), th, tw, labels)
+    assert_op_contract(fn, inputs, expect_ops={"fused_linear_jsd_forward"})

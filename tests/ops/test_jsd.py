@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from onca import device as onca_device
 from onca.ops import jsd as op
 from onca.ops.jsd import jsd
+from tests.contract import assert_op_contract
 from tests.helpers import SCALE, assert_close, leaf, non_contiguous, randn
 
 IGNORE = -100
@@ -256,12 +257,18 @@ def test_bad_input(device):
         jsd(x.to(torch.int64), y)
     with pytest.raises(TypeError, match="target must have a floating dtype"):
         jsd(x, y.to(torch.int32))
-    for beta in (-0.1, 1.5, float("nan"), "0.5"):
+    for beta in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="beta"):
             jsd(x, y, beta=beta)
-    for temperature in (0.0, -1.0, float("inf")):
+    with pytest.raises(TypeError, match="beta must be a number"):
+        jsd(x, y, beta="0.5")
+    for temperature in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="temperature"):
             jsd(x, y, temperature=temperature)
+    with pytest.raises(TypeError, match="temperature must be a number"):
+        jsd(x, y, temperature=torch.tensor(2.0))
+    with pytest.raises(TypeError, match="from_logits must be a bool"):
+        jsd(x, y, from_logits="yes")
     with pytest.raises(ValueError, match="reduction"):
         jsd(x, y, reduction="batchmean")
     with pytest.raises(ValueError, match="labels must have shape"):
@@ -270,9 +277,35 @@ def test_bad_input(device):
         jsd(x, y, labels.float())
     with pytest.raises(TypeError, match="ignore_index"):
         jsd(x, y, labels, ignore_index=-100.0)
-    with pytest.raises(ValueError, match="input is empty"):
-        jsd(randn(0, 64, device=device), randn(0, 64, device=device))
     with pytest.raises(ValueError, match="target is on meta"):
         jsd(x, torch.empty(4, 64, device="meta"))
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):
         jsd(None, y)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("with_labels", [False, True])
+def test_empty_input(device, shape, reduction, with_labels):
+    """No tokens: the reference's results (a sum of 0; a mean of 0 with labels, as when every token
+    is ignored, and torch's NaN without), forward and backward."""
+    x, y, labels = make_inputs(shape, torch.float32, device)
+    labels = labels if with_labels else None
+    for temperature in (1.0, 2.0):
+        xk = leaf(x)
+        loss = jsd(xk, y, labels, 0.5, IGNORE, temperature, reduction)
+        ref, _ = reference(x, y, labels, 0.5, temperature, reduction)
+        assert loss.shape == ref.shape
+        torch.testing.assert_close(loss, ref.to(loss.dtype), equal_nan=True)
+        loss.sum().backward()
+        assert xk.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("reduction, temperature", [("mean", 1.0), ("none", 2.0), ("sum", 1.5)])
+def test_op_contract(device, reduction, temperature):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation: the gradient
+    from the forward kernel (mean, sum), and the backward kernel (none); one-pass and normalising."""
+    x, y, labels = make_inputs((2, 3, 16), torch.float32, device, ignore_every=4)
+    fn = lambda x, y, labels: jsd(x, y, labels, 0.3, IGNORE, temperature, reduction)  # noqa: E731
+    expect = {"jsd_forward"} | ({"jsd_backward"} if reduction == "none" else set())
+    assert_op_contract(fn, (x.requires_grad_(), y, labels), expect_ops=expect)

@@ -7,7 +7,9 @@ sizes may differ, the vocabularies may not), optional ``labels`` (one per token;
 ``ignore_index`` contribute nothing), ``beta`` and ``temperature``. The divergence is the one of
 :mod:`onca.ops.jsd` between ``q = softmax(student_logits / T)`` and ``p = softmax(teacher_logits /
 T)``; ``reduction="mean"`` (default, liger's) divides by the number of tokens not ignored (0 when
-all are), ``"sum"`` does not.
+all are), ``"sum"`` does not. With no tokens at all the loss is 0 (NaN for ``mean`` without
+labels, as :mod:`onca.ops.jsd`) and the gradients are zeros. Under ``torch.autocast`` the hidden
+states and heads are cast to the autocast dtype first, as ``F.linear`` would cast them.
 
 The tokens are processed in chunks (``onca.tiling.plan_token_chunks``; the budget is a quarter of
 the free device memory, and no more than the student head's size in bf16 unless that would make
@@ -26,7 +28,7 @@ weights). Per chunk:
    deterministic.
 
 The gradients are computed in the forward pass and saved (the loss is last in the graph); the
-backward pass returns them, scaled only when the incoming gradient is not exactly 1. The teacher
+backward pass multiplies them by the incoming gradient on the device (no host read). The teacher
 gets no gradient. Scratch memory: two ``(chunk, V)`` fp32 buffers, plus the fp32 ``dWs``
 accumulator for a bf16/fp16 head.
 """
@@ -34,12 +36,15 @@ accumulator for a bf16/fp16 head.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from onca.device import DeviceProfile, free_memory
+from onca.ops._contract import custom_op, register_autograd
 from onca.ops._matmul import has_fp32_out_dtype
-from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
+from onca.ops._validate import check_float, check_same_device, check_tensor
 from onca.ops.jsd import (
     check_beta,
+    check_ignore_index,
     check_labels,
     check_temperature,
     jsd_rows,
@@ -48,9 +53,7 @@ from onca.ops.jsd import (
 )
 from onca.tiling import ChunkPlan, RowPlan, plan_token_chunks
 
-__all__ = [
-    "fused_linear_jsd", "FusedLinearJSDFunction", "plan", "chunk_plan", "MIN_CHUNK_TOKENS", "REDUCTIONS",
-]
+__all__ = ["fused_linear_jsd", "plan", "chunk_plan", "MIN_CHUNK_TOKENS", "REDUCTIONS"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -124,23 +127,52 @@ def _gradient_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return logits.view(dtype)[:, : logits.shape[1]]
 
 
-def fused_linear_jsd_forward(sh, sw, th, tw, labels, beta, ignore_index, temperature, reduction,
-                             need_dh: bool, need_dw: bool):
-    """The loss, and ``dStudentHidden`` / ``dWs`` (for an incoming gradient of 1) when asked."""
+@custom_op("fused_linear_jsd_forward")
+def fused_linear_jsd_forward(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
+                             teacher_weight: Tensor, labels: Tensor | None, beta: float, ignore_index: int,
+                             temperature: float, reduction: str, need_hidden_grad: bool,
+                             need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, dStudentHidden, dWs)`` for the 2-D hidden states and 1-D ``labels``; the gradients
+    (for an incoming gradient of 1) are empty tensors unless asked for."""
+    sh, sw, th, tw = student_hidden, student_weight, teacher_hidden, teacher_weight
+    tokens, hidden = sh.shape
+    vocab = sw.shape[0]
+    device = sh.device
+    row_loss = torch.zeros(tokens, dtype=torch.float32, device=device)
+    scale = token_scale(labels, tokens, ignore_index, reduction, device)
+    dh = sh.new_empty((tokens, hidden) if need_hidden_grad else (0,))
+    dw = None
+    if need_weight_grad:
+        dw = torch.zeros((vocab, hidden), dtype=torch.float32, device=device)
+    if tokens > 0 and vocab > 0:
+        _chunked_forward(sh, sw, th, tw, labels, beta, ignore_index, temperature, scale, row_loss,
+                         dh if need_hidden_grad else None, dw)
+    else:  # a sum over nothing: a zero loss and zero gradients
+        dh.zero_()
+    loss = (row_loss.sum() * scale[0]).to(sh.dtype)
+    return loss, dh, dw.to(sw.dtype) if dw is not None else sw.new_empty(0)
+
+
+@fused_linear_jsd_forward.register_fake
+def _(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta, ignore_index,
+      temperature, reduction, need_hidden_grad, need_weight_grad):
+    sh, sw = student_hidden, student_weight
+    return (sh.new_empty(()), sh.new_empty(sh.shape if need_hidden_grad else (0,)),
+            sw.new_empty(sw.shape if need_weight_grad else (0,)))
+
+
+def _chunked_forward(sh, sw, th, tw, labels, beta, ignore_index, temperature, scale, row_loss, dh, dw):
+    """The loss per token into ``row_loss`` and, where given, ``dh`` / ``dw`` (fp32), chunk by chunk."""
     tokens, hidden = sh.shape
     vocab = sw.shape[0]
     device = sh.device
     chunks = chunk_plan(tokens, vocab, hidden, device)
     s_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device)
     t_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device)
-    row_loss = torch.empty(tokens, dtype=torch.float32, device=device)
-    scale = token_scale(labels, tokens, ignore_index, reduction, device)
-    dh = torch.empty_like(sh) if need_dh else None
-    dw = torch.zeros((vocab, hidden), dtype=torch.float32, device=device) if need_dw else None
     upcast = _fp32_matmul_operands(device)
     sw_up = sw.float() if upcast and sw.dtype != torch.float32 else None
     tw_up = tw.float() if upcast and tw.dtype != torch.float32 else None
-    with_grad = need_dh or need_dw
+    with_grad = dh is not None or dw is not None
     for index in range(chunks.n_chunks):
         start, end = chunks.bounds(index)
         s_logits, t_logits = s_buf[: end - start], t_buf[: end - start]
@@ -149,65 +181,50 @@ def fused_linear_jsd_forward(sh, sw, th, tw, labels, beta, ignore_index, tempera
         dz = _gradient_view(s_logits, sw.dtype) if with_grad else None
         jsd_rows(s_logits, t_logits, labels[start:end] if labels is not None else None, scale, dz,
                  row_loss[start:end], beta, ignore_index, temperature, normalize=True)
-        if need_dh:
+        if dh is not None:
             torch.mm(dz, sw, out=dh[start:end])
-        if need_dw:
+        if dw is not None:
             _accumulate_dw(dw, dz, sh[start:end])
-    loss = (row_loss.sum() * scale[0]).to(sh.dtype)
-    if dw is not None:
-        dw = dw.to(sw.dtype)
-    return loss, dh, dw
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
-def _grad_is_one(g: torch.Tensor) -> bool:
-    return g.numel() == 1 and float(g) == 1.0
+def _setup_context(ctx, inputs, output):
+    """Saves the gradients the forward op computed, and nothing else."""
+    *_, need_hidden_grad, need_weight_grad = inputs
+    _loss, dh, dw = output
+    ctx.mark_non_differentiable(dh, dw)
+    ctx.computed = (need_hidden_grad, need_weight_grad)
+    ctx.save_for_backward(dh, dw)
 
 
-class FusedLinearJSDFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves ``dStudentHidden`` and ``dWs`` (computed in the forward pass for an
-    incoming gradient of 1) and nothing else."""
+def _backward(ctx, grad, _grad_dh, _grad_dw):
+    # Scaled on the device by the incoming gradient (no host read of its value). A gradient the
+    # forward op was not asked for is None (the teacher's always is).
+    grads = [g * grad.to(g.dtype) if computed and needed else None
+             for g, computed, needed in zip(ctx.saved_tensors, ctx.computed, ctx.needs_input_grad)]
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
-    @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta,
-                ignore_index, temperature, reduction):
-        labels = _validate(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta,
-                           ignore_index, temperature, reduction)
-        sh = student_hidden.reshape(-1, student_hidden.shape[-1]).contiguous()
-        th = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).contiguous()
-        labels1d = labels.reshape(-1).contiguous() if labels is not None else None
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, dh, dw = fused_linear_jsd_forward(
-            sh, student_weight.contiguous(), th, teacher_weight.contiguous(), labels1d, float(beta),
-            int(ignore_index), float(temperature), reduction, need_dh, need_dw,
-        )
-        ctx.shape = student_hidden.shape
-        ctx.save_for_backward(dh, dw)
-        return loss
 
-    @staticmethod
-    def backward(ctx, grad):
-        dh, dw = ctx.saved_tensors
-        if not _grad_is_one(grad):
-            dh = dh * grad.to(dh.dtype) if dh is not None else None
-            dw = dw * grad.to(dw.dtype) if dw is not None else None
-        return (dh.view(ctx.shape) if dh is not None else None, dw, None, None, None, None, None, None, None)
+register_autograd(fused_linear_jsd_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
 
 
 def _validate(sh, sw, th, tw, labels, beta, ignore_index, temperature, reduction):
+    """The labels as a 1-D tensor (or None), after checking every argument."""
     for t, name in ((sh, "student_hidden"), (sw, "student_weight"), (th, "teacher_hidden"),
                     (tw, "teacher_weight")):
         check_float(t, name)
-        check_nonempty(t, name)
     for w, name in ((sw, "student_weight"), (tw, "teacher_weight")):
         if w.dim() != 2:
             raise ValueError(f"{name} must be 2-D (vocab, hidden), got shape {tuple(w.shape)}")
-    if sh.shape[-1] != sw.shape[1]:
+    if sh.dim() == 0 or sh.shape[-1] != sw.shape[1]:
         raise ValueError(f"student_hidden must have last dimension {sw.shape[1]} (student_weight's hidden "
                          f"size), got shape {tuple(sh.shape)}")
-    if th.shape[-1] != tw.shape[1]:
+    if th.dim() == 0 or th.shape[-1] != tw.shape[1]:
         raise ValueError(f"teacher_hidden must have last dimension {tw.shape[1]} (teacher_weight's hidden "
                          f"size), got shape {tuple(th.shape)}")
     if tw.shape[0] != sw.shape[0]:
@@ -224,20 +241,46 @@ def _validate(sh, sw, th, tw, labels, beta, ignore_index, temperature, reduction
         check_same_device(t, name, sh, "student_hidden")
     check_beta(beta)
     check_temperature(temperature)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return check_labels(labels, "labels", sh.shape[:-1], sh, "student_hidden")
 
 
-def fused_linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None,
-                     beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
-                     reduction: str = "mean"):
-    """JSD between ``softmax(student_hidden @ student_weight.T / T)`` and the teacher's, chunked over
-    tokens. See the module docstring."""
-    for t, name in ((student_hidden, "student_hidden"), (student_weight, "student_weight"),
-                    (teacher_hidden, "teacher_hidden"), (teacher_weight, "teacher_weight")):
+def fused_linear_jsd(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    labels: Tensor | None = None,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+) -> Tensor:
+    """Distillation loss ``jsd(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T)``
+    at ``temperature``, computed over chunks of tokens so that neither model's logits exist in full
+    (liger-kernel's ``LigerFusedLinearJSD``). Gradients for the student's hidden states and head
+    (fp32 accumulation for bf16/fp16 heads); the teacher gets none. Under ``torch.autocast`` the
+    four tensors are cast to the autocast dtype first, as ``F.linear`` would."""
+    tensors = (student_hidden, student_weight, teacher_hidden, teacher_weight)
+    for t, name in zip(tensors, ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")):
         check_tensor(t, name)
-    return FusedLinearJSDFunction.apply(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                        labels, beta, ignore_index, temperature, reduction)
+    device_type = student_hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+        # The op computes in its own precisions (fp32 logits): autocast must not recast inside it.
+        with torch.autocast(device_type, enabled=False):
+            return _fused_linear_jsd(*tensors, labels, beta, ignore_index, temperature, reduction)
+    return _fused_linear_jsd(*tensors, labels, beta, ignore_index, temperature, reduction)
+
+
+def _fused_linear_jsd(sh, sw, th, tw, labels, beta, ignore_index, temperature, reduction):
+    labels1d = _validate(sh, sw, th, tw, labels, beta, ignore_index, temperature, reduction)
+    grad_enabled = torch.is_grad_enabled()
+    return fused_linear_jsd_forward(
+        sh.reshape(-1, sh.shape[-1]).contiguous(), sw.contiguous(), th.reshape(-1, th.shape[-1]).contiguous(),
+        tw.contiguous(), labels1d, float(beta), ignore_index, float(temperature), reduction,
+        grad_enabled and sh.requires_grad, grad_enabled and sw.requires_grad,
+    )[0]

@@ -14,7 +14,9 @@ would give 0 there). Terms whose probability is 0 contribute 0 (``0 * log 0 = 0`
 Tokens whose ``labels`` entry equals ``ignore_index`` contribute nothing. ``reduction``:
 ``"mean"`` (default, liger's semantics) divides the sum over tokens by the number of tokens that
 are not ignored (a batchmean over tokens; 0, not NaN, when every token is ignored); ``"sum"``;
-``"none"`` gives one loss per token (shape ``input.shape[:-1]``, 0 for ignored tokens).
+``"none"`` gives one loss per token (shape ``input.shape[:-1]``, 0 for ignored tokens). With no
+tokens at all, ``sum`` is 0 and ``mean`` follows the same rule: 0 with labels, NaN without (torch's
+mean over nothing, and its ``kl_div`` batchmean at the two limits).
 
 Temperature: the divergence is between ``q = softmax(input / T)`` and ``p = softmax(target / T)``.
 Because a log-probability differs from its logits by a per-row constant, which the softmax removes,
@@ -27,7 +29,7 @@ kernel normalises, the gradient is taken through that normalisation (w.r.t. the 
 The gradient is w.r.t. ``input`` only; the teacher is treated as a constant (``target`` gets no
 gradient, as in liger-kernel). For ``mean``/``sum`` it is computed by the forward kernel (the
 loss is last in the graph, so this saves reading both tensors again) and saved; the backward pass
-returns it, scaled only when the incoming gradient is not exactly 1. For ``none`` the backward
+multiplies it by the incoming gradient on the device (no host read). For ``none`` the backward
 kernel recomputes it with each token's incoming gradient, from the saved ``input``/``target``.
 
 Rows are tiled over the vocabulary with the plan's width. Without normalisation every element is
@@ -44,21 +46,24 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
-from onca.ops._rows import as_rows
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import (
+    check_bool,
     check_float,
     check_index,
-    check_nonempty,
+    check_number,
     check_same_device,
     check_tensor,
 )
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = [
-    "jsd", "JSDFunction", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "check_beta",
-    "check_temperature",
+    "jsd", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "token_scale", "check_beta",
+    "check_temperature", "check_ignore_index", "check_labels",
 ]
 
 REDUCTIONS = ("none", "sum", "mean")
@@ -73,7 +78,6 @@ TILES = dict(live_tiles=3, fp32_tiles=6)
 ELEMENTS_PER_THREAD = 8
 
 _FORWARD_KL, _REVERSE_KL, _GENERAL = 0, 1, 2
-_NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -251,14 +255,6 @@ def _jsd_kernel(
 # --------------------------------------------------------------------------------------- launchers
 
 
-def _rows_cols(shape) -> tuple[int, int]:
-    shape = tuple(int(s) for s in shape)
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    return rows, shape[-1]
-
-
 def plan_divergence(rows: int, cols: int, dtype: torch.dtype, normalize: bool,
                     profile: DeviceProfile | None = None) -> RowPlan:
     """The divergence kernel's plan. On a GPU the normalising path's tiles are capped at
@@ -278,7 +274,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     """The plans for inputs of ``shape`` (``(..., vocab)``): one kernel serves the forward pass
     and the backward pass of ``reduction="none"``; ``log_probs`` is its one-pass path (temperature
     1), ``normalizing`` the log-softmax path (temperature != 1, or ``from_logits``)."""
-    rows, cols = _rows_cols(shape)
+    rows, cols = rows_cols(shape)
     return {"log_probs": plan_divergence(rows, cols, dtype, False, profile),
             "normalizing": plan_divergence(rows, cols, dtype, True, profile)}
 
@@ -289,7 +285,7 @@ def mode_of(beta: float) -> int:
 
 def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, temperature: float,
              normalize: bool, g_per_row: bool = False) -> None:
-    """Launch the divergence kernel on ``(rows, vocab)`` matrices.
+    """Launch the divergence kernel on ``(rows, vocab)`` matrices (at least one element).
 
     Writes each row's divergence into ``row_loss`` (fp32, ``(rows,)``) and, when ``dx`` is given,
     the gradient w.r.t. ``x2d`` times ``g`` (a one-element device tensor, or ``(rows,)`` when
@@ -311,80 +307,117 @@ def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, 
 
 def token_scale(labels, rows: int, ignore_index: int, reduction: str, device) -> torch.Tensor:
     """The factor each token's loss is multiplied by, as a one-element fp32 device tensor (no host
-    sync): ``1 / max(tokens not ignored, 1)`` for ``mean``, else 1."""
+    sync). ``mean``: ``1 / max(tokens not ignored, 1)`` with labels (0 when none counts), ``1 /
+    rows`` without (NaN for no rows, as torch's mean over nothing); else 1."""
     if reduction != "mean":
         return torch.ones(1, dtype=torch.float32, device=device)
     if labels is None:
-        return torch.full((1,), 1.0 / rows, dtype=torch.float32, device=device)
+        return torch.full((1,), 1.0 / rows if rows else float("nan"), dtype=torch.float32, device=device)
     count = (labels != ignore_index).sum().clamp_(min=1).to(torch.float32)
     return count.reciprocal_().reshape(1)
+
+
+def _reduce(row_loss: Tensor, scale: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+    if reduction == "none":
+        return row_loss.to(dtype)
+    return (row_loss.sum() * scale[0]).to(dtype)
+
+
+@custom_op("jsd_forward")
+def jsd_forward(input: Tensor, target: Tensor, labels: Tensor | None, beta: float, ignore_index: int,
+                temperature: float, reduction: str, normalize: bool,
+                precompute_grad: bool) -> tuple[Tensor, Tensor]:
+    """``(loss, dinput)`` for the 2-D ``input``/``target`` and 1-D ``labels``: the loss per row
+    (``none``) or reduced, in the input's dtype; ``dinput`` (for an incoming gradient of 1) when
+    ``precompute_grad`` and the loss is a scalar, else an empty tensor."""
+    rows, cols = input.shape
+    dx = None
+    if precompute_grad and reduction != "none":
+        dx = torch.empty((rows, cols), dtype=input.dtype, device=input.device)
+    scale = token_scale(labels, rows, ignore_index, reduction, input.device)
+    row_loss = torch.zeros(rows, dtype=torch.float32, device=input.device)
+    if input.numel() > 0:
+        jsd_rows(input, target, labels, scale, dx, row_loss, beta, ignore_index, temperature, normalize)
+    return _reduce(row_loss, scale, reduction, input.dtype), dx if dx is not None else input.new_empty(0)
+
+
+@jsd_forward.register_fake
+def _(input, target, labels, beta, ignore_index, temperature, reduction, normalize, precompute_grad):
+    loss = input.new_empty(input.shape[:1] if reduction == "none" else ())
+    dx = input.new_empty(input.shape if precompute_grad and reduction != "none" else (0,))
+    return loss, dx
+
+
+@custom_op("jsd_backward")
+def jsd_backward(grad: Tensor, input: Tensor, target: Tensor, labels: Tensor | None, beta: float,
+                 ignore_index: int, temperature: float, normalize: bool) -> Tensor:
+    """``dinput`` for the per-row incoming gradient ``grad`` (``(rows,)``, reduction ``none``)."""
+    rows, cols = input.shape
+    dx = torch.empty((rows, cols), dtype=input.dtype, device=input.device)
+    if input.numel() == 0:
+        return dx
+    g = grad.to(torch.float32).contiguous()
+    row_loss = torch.empty(rows, dtype=torch.float32, device=input.device)
+    jsd_rows(input, target, labels, g, dx, row_loss, beta, ignore_index, temperature, normalize,
+             g_per_row=True)
+    return dx
+
+
+@jsd_backward.register_fake
+def _(grad, input, target, labels, beta, ignore_index, temperature, normalize):
+    return input.new_empty(input.shape)
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
-def _grad_is_one(g: torch.Tensor) -> bool:
-    """Whether a scalar incoming gradient is exactly 1 (the usual ``loss.backward()``): then the
-    gradient computed in the forward pass is returned as is. Costs one device-to-host read."""
-    return g.numel() == 1 and float(g) == 1.0
+def _setup_context(ctx, inputs, output):
+    """Saves ``dinput`` when the forward op wrote it, else the 2-D inputs and the labels."""
+    input, target, labels, beta, ignore_index, temperature, reduction, normalize, precompute_grad = inputs
+    _loss, dx = output
+    ctx.mark_non_differentiable(dx)
+    ctx.precomputed = precompute_grad and reduction != "none"
+    ctx.args = (beta, ignore_index, temperature, normalize)
+    ctx.save_for_backward(*((dx,) if ctx.precomputed else (input, target, labels)))
 
 
-class JSDFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves, for ``mean``/``sum``, ``dinput`` computed in the forward pass (for
-    an incoming gradient of 1); for ``none``, the 2-D views of ``input``, ``target`` and the
-    labels, from which the backward kernel recomputes the gradient."""
+def _backward(ctx, grad, _grad_dx):
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None, None, None, None
+    if ctx.precomputed:
+        (dx,) = ctx.saved_tensors
+        dx = dx * grad.to(dx.dtype)
+    else:
+        input, target, labels = ctx.saved_tensors
+        dx = jsd_backward(grad, input, target, labels, *ctx.args)
+    return dx, None, None, None, None, None, None, None, None
 
-    @staticmethod
-    def forward(ctx, input, target, labels, beta, ignore_index, temperature, reduction, from_logits):
-        labels = _validate(input, target, labels, beta, ignore_index, temperature, reduction)
-        x2d, y2d = as_rows(input), as_rows(target)
-        rows = x2d.shape[0]
-        labels1d = labels.reshape(-1).contiguous() if labels is not None else None
-        normalize = bool(from_logits) or float(temperature) != 1.0
-        with_grad = ctx.needs_input_grad[0]
-        precompute = with_grad and reduction != "none"
-        scale = token_scale(labels1d, rows, ignore_index, reduction, input.device)
-        dx = torch.empty_like(x2d, memory_format=torch.contiguous_format) if precompute else None
-        row_loss = torch.empty(rows, dtype=torch.float32, device=input.device)
-        jsd_rows(x2d, y2d, labels1d, scale, dx, row_loss, beta, ignore_index, temperature, normalize)
-        ctx.shape, ctx.precomputed = input.shape, precompute
-        ctx.args = (float(beta), int(ignore_index), float(temperature), normalize)
-        if precompute:
-            ctx.save_for_backward(dx)
-        elif with_grad:
-            ctx.save_for_backward(x2d, y2d, labels1d)
-        if reduction == "none":
-            return row_loss.to(input.dtype).view(input.shape[:-1])
-        return (row_loss.sum() * scale[0]).to(input.dtype)
 
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.precomputed:
-            (dx,) = ctx.saved_tensors
-            dx = dx if _grad_is_one(grad) else dx * grad.to(dx.dtype)
-            return dx.view(ctx.shape), None, None, None, None, None, None, None
-        x2d, y2d, labels1d = ctx.saved_tensors
-        g = grad.expand(ctx.shape[:-1]).reshape(-1).to(torch.float32).contiguous()
-        dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)
-        row_loss = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
-        beta, ignore_index, temperature, normalize = ctx.args
-        jsd_rows(x2d, y2d, labels1d, g, dx, row_loss, beta, ignore_index, temperature, normalize,
-                 g_per_row=True)
-        return dx.view(ctx.shape), None, None, None, None, None, None, None
+register_autograd(jsd_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
 
 
 def check_beta(beta) -> None:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= float(beta) <= 1.0:
+    check_number(beta, "beta", minimum=0.0)
+    if beta > 1.0:
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
 
 
 def check_temperature(temperature) -> None:
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not math.isfinite(float(temperature)) or float(temperature) <= 0.0):
+    check_number(temperature, "temperature", minimum=0.0)
+    if not 0.0 < temperature < math.inf:
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
 
 
+def check_ignore_index(ignore_index) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
 def check_labels(labels, name: str, tokens_shape, ref: torch.Tensor, ref_name: str):
+    """``labels`` (one per token, any leading shape or flat) as a contiguous 1-D tensor, or None."""
     if labels is None:
         return None
     check_index(labels, name)
@@ -394,15 +427,17 @@ def check_labels(labels, name: str, tokens_shape, ref: torch.Tensor, ref_name: s
             f"{name} must have shape {tuple(tokens_shape)} (one per token), got {tuple(labels.shape)}"
         )
     check_same_device(labels, name, ref, ref_name)
-    return labels
+    return labels.reshape(-1).contiguous()
 
 
-def _validate(input, target, labels, beta, ignore_index, temperature, reduction):
+def _validate(input, target, labels, beta, ignore_index, temperature, reduction, from_logits):
+    """The labels as a 1-D tensor (or None), after checking every argument."""
+    check_tensor(input, "input")
+    check_tensor(target, "target")
     check_float(input, "input")
     check_float(target, "target")
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (..., vocab), got a 0-d tensor")
-    check_nonempty(input, "input")
     if tuple(target.shape) != tuple(input.shape):
         raise ValueError(
             f"target must have the input's shape {tuple(input.shape)} (same tokens and vocabulary), "
@@ -411,17 +446,33 @@ def _validate(input, target, labels, beta, ignore_index, temperature, reduction)
     check_same_device(target, "target", input, "input")
     check_beta(beta)
     check_temperature(temperature)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_bool(from_logits, "from_logits")
     return check_labels(labels, "labels", input.shape[:-1], input, "input")
 
 
-def jsd(input, target, labels=None, beta: float = 0.5, ignore_index: int = -100,
-        temperature: float = 1.0, reduction: str = "mean", from_logits: bool = False):
-    """Generalised JSD between student ``input`` and teacher ``target`` log-probabilities. See the
-    module docstring."""
-    check_tensor(input, "input")
-    check_tensor(target, "target")
-    return JSDFunction.apply(input, target, labels, beta, ignore_index, temperature, reduction, from_logits)
+def jsd(
+    input: Tensor,
+    target: Tensor,
+    labels: Tensor | None = None,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    from_logits: bool = False,
+) -> Tensor:
+    """Generalised Jensen-Shannon divergence (liger-kernel's ``LigerJSD``): student ``input`` and
+    teacher ``target`` log-probabilities ``(..., vocab)``; ``beta`` in [0, 1] (0: KL(teacher ||
+    student), 1: KL(student || teacher)); tokens whose ``labels`` equal ``ignore_index`` are left
+    out; ``reduction="mean"`` averages over the tokens not ignored. ``temperature != 1`` (or
+    ``from_logits=True``) compares ``softmax(input / T)`` with ``softmax(target / T)``, so logits may
+    be passed. Gradient w.r.t. ``input`` only. See the module docstring (empty inputs included)."""
+    labels1d = _validate(input, target, labels, beta, ignore_index, temperature, reduction, from_logits)
+    normalize = from_logits or temperature != 1.0
+    # A scalar loss is last in the graph: its gradient is written by the forward kernel.
+    precompute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
+    loss, _ = jsd_forward(as_rows(input), as_rows(target), labels1d, float(beta), ignore_index,
+                          float(temperature), reduction, normalize, precompute_grad)
+    return loss.view(input.shape[:-1]) if reduction == "none" else loss

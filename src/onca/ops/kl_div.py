@@ -17,8 +17,9 @@ Gradients:
 - w.r.t. ``input``: ``-target`` (or ``-exp(target)``) times the reduction's scale and the
   incoming gradient. For the scalar reductions it is written by the forward kernel itself (one
   read of each tensor and one write of ``dinput``, instead of a second read of ``target`` in the
-  backward pass); nothing else is saved. For ``none`` the backward kernel computes it from
-  ``target`` and the elementwise incoming gradient.
+  backward pass); nothing else is saved, and the backward pass multiplies it by the incoming
+  gradient on the device (no host read of its value). For ``none`` the backward kernel computes
+  it from ``target`` and the elementwise incoming gradient.
 - w.r.t. ``target`` (cheap, so supported): ``(log(target) + 1 - input)`` or
   ``exp(target) * (target - input + 1)``, times the same factors, computed in the backward pass
   when ``target`` requires a gradient (then ``input`` and ``target`` are saved). Where a
@@ -27,6 +28,9 @@ Gradients:
 Each row is covered in column tiles of the plan's width (the whole row in one tile when it fits),
 so a vocabulary of any size runs on every profile. Reductions are deterministic: each row's sum is
 written by the one program that owns it, and the row sums are added up once afterwards.
+
+Empty inputs follow torch: a sum over nothing is 0, a mean over nothing NaN (``batchmean``
+divides by ``input.shape[0]``, so it is NaN only when that is 0).
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._rows import as_rows
-from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._rows import as_rows, rows_cols
+from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["kl_div", "KLDivFunction", "REDUCTIONS", "plan"]
+__all__ = ["kl_div", "REDUCTIONS", "plan"]
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
@@ -141,19 +147,9 @@ def _kl_div_kernel(
 # --------------------------------------------------------------------------------------- launchers
 
 
-def _rows_cols(shape) -> tuple[int, int]:
-    shape = tuple(int(s) for s in shape)
-    if not shape:
-        return 1, 1
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    return rows, shape[-1]
-
-
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The forward and backward plans for an input of ``shape`` (``(..., vocab)``)."""
-    rows, cols = _rows_cols(shape)
+    rows, cols = rows_cols(shape)
     return {
         "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
         "backward": plan_rows(rows, cols, dtype, profile=profile, **BACKWARD_TILES),
@@ -170,103 +166,121 @@ def _launch(p: RowPlan, x, t, g, loss, dx, dt, scale, log_target, loss_mode, g_m
         loss.stride(0) if loss is not None else 0,
         dx.stride(0) if dx is not None else 0,
         dt.stride(0) if dt is not None else 0,
-        float(scale),
-        LOG_TARGET=bool(log_target), LOSS=loss_mode, G_MODE=g_mode,
+        scale,
+        LOG_TARGET=log_target, LOSS=loss_mode, G_MODE=g_mode,
         WRITE_DX=dx is not None, WRITE_DT=dt is not None,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
 
 
-def kl_div_forward(x2d, t2d, reduction: str, log_target: bool, out_dtype, scale: float,
-                   with_grad: bool):
-    """The loss (elementwise or row sums, reduced here) and, when ``with_grad``, ``dinput`` for an
-    incoming gradient of 1 (scalar reductions only)."""
-    rows, cols = x2d.shape
-    p = plan_rows(rows, cols, x2d.dtype, **FORWARD_TILES)
-    dx = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device) if with_grad else None
+def _precomputes(reduction: str, precompute_grad: bool) -> bool:
+    """Whether the forward op writes ``dinput``: only a scalar loss has one gradient factor."""
+    return precompute_grad and reduction != "none"
+
+
+@custom_op("kl_div_forward")
+def kl_div_forward(input: Tensor, target: Tensor, reduction: str, log_target: bool, scale: float,
+                   precompute_grad: bool) -> tuple[Tensor, Tensor]:
+    """``(loss, dinput)`` for the 2-D ``input``/``target``: the elementwise loss (``none``) or the
+    summed loss times ``scale``, in the promoted dtype; ``dinput`` (for an incoming gradient of 1)
+    when ``precompute_grad`` and the loss is a scalar, else an empty tensor."""
+    rows, cols = input.shape
+    out_dtype = torch.promote_types(input.dtype, target.dtype)
+    dx = None
+    if _precomputes(reduction, precompute_grad):
+        dx = torch.empty((rows, cols), dtype=input.dtype, device=input.device)
+    empty = input.numel() == 0
+    p = None if empty else plan_rows(rows, cols, input.dtype, **FORWARD_TILES)
     if reduction == "none":
-        loss = torch.empty((rows, cols), dtype=out_dtype, device=x2d.device)
-        _launch(p, x2d, t2d, None, loss, dx, None, scale, log_target, _LOSS_ELEMENTWISE, _G_CONST)
-        return loss, dx
-    row_sums = torch.empty(rows, dtype=torch.float32, device=x2d.device)
-    _launch(p, x2d, t2d, None, row_sums, dx, None, scale, log_target, _LOSS_ROW_SUMS, _G_CONST)
-    return (row_sums.sum() * scale).to(out_dtype), dx
+        loss = torch.empty((rows, cols), dtype=out_dtype, device=input.device)
+        if not empty:
+            _launch(p, input, target, None, loss, dx, None, scale, log_target,
+                    _LOSS_ELEMENTWISE, _G_CONST)
+    else:
+        # A sum over nothing is 0; times the scale, a mean over nothing is NaN, as in torch.
+        row_sums = torch.zeros(rows, dtype=torch.float32, device=input.device)
+        if not empty:
+            _launch(p, input, target, None, row_sums, dx, None, scale, log_target,
+                    _LOSS_ROW_SUMS, _G_CONST)
+        loss = (row_sums.sum() * scale).to(out_dtype)
+    return loss, dx if dx is not None else input.new_empty(0)
 
 
-def kl_div_backward(g, x2d, t2d, scale: float, log_target: bool, want_dx: bool, want_dt: bool):
-    """``dinput`` and/or ``dtarget`` for the incoming gradient ``g``: a scalar, or a ``(rows, cols)``
-    matrix (reduction "none")."""
-    rows, cols = t2d.shape
-    p = plan_rows(rows, cols, t2d.dtype, **BACKWARD_TILES)
-    dx = torch.empty((rows, cols), dtype=x2d.dtype, device=t2d.device) if want_dx else None
-    dt = torch.empty((rows, cols), dtype=t2d.dtype, device=t2d.device) if want_dt else None
-    g_mode = _G_ELEMENTWISE if g.dim() == 2 else _G_SCALAR
-    _launch(p, x2d, t2d, g, None, dx, dt, scale, log_target, _LOSS_NONE, g_mode)
+@kl_div_forward.register_fake
+def _(input, target, reduction, log_target, scale, precompute_grad):
+    out_dtype = torch.promote_types(input.dtype, target.dtype)
+    loss = input.new_empty(input.shape if reduction == "none" else (), dtype=out_dtype)
+    dx = input.new_empty(input.shape if _precomputes(reduction, precompute_grad) else (0,))
+    return loss, dx
+
+
+@custom_op("kl_div_backward")
+def kl_div_backward(grad: Tensor, input: Tensor, target: Tensor, scale: float, log_target: bool,
+                    want_input_grad: bool, want_target_grad: bool) -> tuple[Tensor, Tensor]:
+    """``(dinput, dtarget)`` for the incoming gradient ``grad``: one element (a scalar loss), or
+    ``(rows, cols)`` (reduction ``none``). A gradient not wanted is an empty tensor."""
+    rows, cols = target.shape
+    dx = torch.empty((rows, cols) if want_input_grad else (0,), dtype=input.dtype, device=input.device)
+    dt = torch.empty((rows, cols) if want_target_grad else (0,), dtype=target.dtype, device=target.device)
+    if target.numel() == 0 or not (want_input_grad or want_target_grad):
+        return dx, dt
+    g_mode = _G_ELEMENTWISE if grad.dim() == 2 else _G_SCALAR
+    p = plan_rows(rows, cols, target.dtype, **BACKWARD_TILES)
+    _launch(p, input, target, grad, None, dx if want_input_grad else None,
+            dt if want_target_grad else None, scale, log_target, _LOSS_NONE, g_mode)
     return dx, dt
+
+
+@kl_div_backward.register_fake
+def _(grad, input, target, scale, log_target, want_input_grad, want_target_grad):
+    return (input.new_empty(input.shape if want_input_grad else (0,)),
+            target.new_empty(target.shape if want_target_grad else (0,)))
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
+def _setup_context(ctx, inputs, output):
+    """Saves ``dinput`` when the forward op wrote it, else the 2-D ``input`` and ``target``."""
+    input, target, reduction, log_target, scale, precompute_grad = inputs
+    _loss, dx = output
+    ctx.mark_non_differentiable(dx)
+    ctx.precomputed = _precomputes(reduction, precompute_grad)
+    ctx.reduction, ctx.log_target, ctx.scale = reduction, log_target, scale
+    ctx.save_for_backward(*((dx,) if ctx.precomputed else (input, target)))
+
+
+def _backward(ctx, grad, _grad_dx):
+    if ctx.precomputed:  # only dinput is wanted (the public function's choice)
+        (dx,) = ctx.saved_tensors
+        return dx * grad.to(dx.dtype), None, None, None, None, None
+    input, target = ctx.saved_tensors
+    want_dx, want_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g = as_rows(grad) if ctx.reduction == "none" else grad.reshape(1)
+    dx, dt = kl_div_backward(g, input, target, ctx.scale, ctx.log_target, want_dx, want_dt)
+    return dx if want_dx else None, dt if want_dt else None, None, None, None, None
+
+
+register_autograd(kl_div_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
 def _reduction_scale(shape, numel: int, reduction: str) -> float:
-    if reduction == "mean":
-        return 1.0 / numel
-    if reduction == "batchmean":
-        return 1.0 / shape[0]
-    return 1.0
+    """The loss's divisor as a factor; NaN where torch divides zero by zero (nothing to average)."""
+    divisor = {"mean": numel, "batchmean": shape[0]}.get(reduction, 1)
+    return 1.0 / divisor if divisor else float("nan")
 
 
-def _grad_is_one(g: torch.Tensor) -> bool:
-    """Whether a scalar incoming gradient is exactly 1 (the usual ``loss.backward()``): then the
-    gradient computed in the forward pass is returned as is. Costs one device-to-host read."""
-    return g.numel() == 1 and float(g) == 1.0
-
-
-class KLDivFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves, for the scalar reductions, ``dinput`` computed in the forward pass
-    (for an incoming gradient of 1); for ``none``, ``target`` (and ``input`` when ``target``
-    needs a gradient). No copy of a caller's tensor is kept beyond the 2-D views the kernels use."""
-
-    @staticmethod
-    def forward(ctx, input, target, reduction, log_target):
-        out_dtype = _validate(input, target, reduction)
-        x2d, t2d = as_rows(input), as_rows(target)
-        scale = _reduction_scale(input.shape, input.numel(), reduction)
-        need_dx, need_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        precompute = need_dx and not need_dt and reduction != "none"
-        loss, dx = kl_div_forward(x2d, t2d, reduction, bool(log_target), out_dtype, scale, precompute)
-        ctx.reduction, ctx.log_target, ctx.scale = reduction, bool(log_target), scale
-        ctx.shape, ctx.precomputed = input.shape, precompute
-        if precompute:
-            ctx.save_for_backward(dx)
-        elif need_dx or need_dt:
-            ctx.save_for_backward(x2d, t2d)
-        return loss.view(input.shape) if reduction == "none" else loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.precomputed:
-            (dx,) = ctx.saved_tensors
-            dx = dx if _grad_is_one(grad) else dx * grad.to(dx.dtype)
-            return dx.view(ctx.shape), None, None, None
-        x2d, t2d = ctx.saved_tensors
-        if ctx.reduction == "none":
-            g = as_rows(grad.expand(ctx.shape)) if grad.dim() else grad.reshape(1)
-        else:
-            g = grad.reshape(1)
-        dx, dt = kl_div_backward(g, x2d, t2d, ctx.scale, ctx.log_target,
-                                 ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return (dx.view(ctx.shape) if dx is not None else None,
-                dt.view(ctx.shape) if dt is not None else None, None, None)
-
-
-def _validate(input, target, reduction) -> torch.dtype:
+def _validate(input, target, reduction, log_target) -> None:
+    check_tensor(input, "input")
+    check_tensor(target, "target")
     check_float(input, "input")
     check_float(target, "target")
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension, got a 0-d tensor")
-    check_nonempty(input, "input")
     if tuple(target.shape) != tuple(input.shape):
         raise ValueError(
             f"target must have the input's shape {tuple(input.shape)}, got {tuple(target.shape)} "
@@ -275,12 +289,20 @@ def _validate(input, target, reduction) -> torch.dtype:
     check_same_device(target, "target", input, "input")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    return torch.promote_types(input.dtype, target.dtype)
+    check_bool(log_target, "log_target")
 
 
-def kl_div(input, target, reduction: str = "mean", log_target: bool = False):
-    """``torch.nn.functional.kl_div(input, target, reduction, log_target=log_target)``. See the
-    module docstring."""
-    check_tensor(input, "input")
-    check_tensor(target, "target")
-    return KLDivFunction.apply(input, target, reduction, log_target)
+def kl_div(input: Tensor, target: Tensor, reduction: str = "mean", log_target: bool = False) -> Tensor:
+    """``torch.nn.functional.kl_div``: ``input`` is log-probabilities, ``target`` probabilities (or
+    log-probabilities with ``log_target=True``), same shape ``(..., vocab)``. ``reduction`` is
+    ``"none"``, ``"sum"``, ``"mean"`` (over all elements) or ``"batchmean"`` (over
+    ``input.shape[0]``). Gradients for ``input`` and, when it requires one, ``target``. Empty inputs
+    give torch's results (a sum of 0, a NaN mean)."""
+    _validate(input, target, reduction, log_target)
+    scale = _reduction_scale(input.shape, input.numel(), reduction)
+    # A scalar loss is last in the graph: its input gradient is written by the forward kernel
+    # (one pass over both tensors) unless the target wants a gradient too.
+    precompute_grad = (reduction != "none" and torch.is_grad_enabled() and input.requires_grad
+                       and not target.requires_grad)
+    loss, _ = kl_div_forward(as_rows(input), as_rows(target), reduction, log_target, scale, precompute_grad)
+    return loss.view(input.shape) if reduction == "none" else loss

@@ -64,7 +64,7 @@ def memory_estimate(p, dtype, provider, mode):
     elements = p["tokens"] * p["vocab"]
     n = elements * itemsize(dtype)
     inputs = 2 * n
-    if provider == "onca":  # dinput written by the forward kernel, returned by backward
+    if provider == "onca":  # dinput written by the forward kernel, scaled by backward into a new one
         extra = {"forward": n, "backward": 2 * n, "full": 2 * n}[mode]
     elif provider == "liger":  # a clone of the input that becomes dX, and a fp32 loss per element
         extra = n + 4 * elements + (n if mode != "forward" else 0)

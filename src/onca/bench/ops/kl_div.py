@@ -47,7 +47,7 @@ def bytes_moved(p, dtype, mode):
 
 # Peak bytes beyond the two inputs, in (tokens x vocab) matrices of the input dtype.
 _EXTRA = {
-    # dinput is written by the forward kernel (the input requires a gradient) and handed to backward.
+    # dinput is written by the forward kernel (the input requires a gradient); backward scales it.
     "onca": {"forward": 1, "backward": 2, "full": 2},
     # forward keeps nothing large; backward writes the gradient (and a scaled copy if not 1).
     "liger": {"forward": 0, "backward": 2, "full": 2},
