@@ -61,6 +61,15 @@ def test_from_pretrained_and_freeze(device):
     assert trainable.weight.requires_grad and trainable.deterministic and trainable.padding_idx == 2
 
 
+def test_bounds_check_is_opt_in(device):
+    """By default no host-side check (it would synchronise); ``check_bounds=True`` raises IndexError."""
+    assert not onca.nn.Embedding(10, 4).check_bounds
+    checked = onca.nn.Embedding(10, 4, check_bounds=True).to(device)
+    assert repr(checked) == "Embedding(10, 4, check_bounds=True)"
+    with pytest.raises(IndexError, match="indices holds 10"):
+        checked(torch.tensor([1, 10], device=device))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="max_norm is not supported"):
         onca.nn.Embedding(10, 4, max_norm=1.0)

@@ -9,6 +9,7 @@ from onca import device as onca_device
 from onca.models import MODELS
 from onca.ops import attn_res as op
 from onca.ops.attn_res import attn_res
+from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, non_contiguous, randn
 
 # V shapes (N, ..., D)
@@ -187,8 +188,6 @@ def test_bad_input(device):
         attn_res(v, w_query, w_norm.int())
     with pytest.raises(ValueError, match="V must have shape"):
         attn_res(v[0, 0, 0], w_query, w_norm)
-    with pytest.raises(ValueError, match="V is empty"):
-        attn_res(v[:0], w_query, w_norm)
     with pytest.raises(ValueError, match=r"w_query must have shape \(64,\)"):
         attn_res(v, w_query[:32], w_norm)
     with pytest.raises(ValueError, match=r"w_norm must have shape \(64,\)"):
@@ -199,6 +198,35 @@ def test_bad_input(device):
         attn_res(v, w_query, w_norm, eps=float("nan"))
     with pytest.raises(ValueError, match="eps"):
         attn_res(v, w_query, w_norm, eps=-1.0)
+    with pytest.raises(TypeError, match="eps must be a number"):
+        attn_res(v, w_query, w_norm, eps="1e-6")
+    with pytest.raises(TypeError, match="w_query must be a torch.Tensor"):
+        attn_res(v, None, w_norm)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 5, 16), (3, 0, 16), (3, 2, 0, 16), (3, 4, 0)],
+                         ids=["no-layers", "no-rows", "2x0-rows", "no-columns"])
+def test_empty_input_as_torch(device, shape):
+    """Empty V: the formula's results in PyTorch (no layers: h is a sum over nothing, zeros; the
+    weights' gradients are zeros) and no kernel launch."""
+    v, w_query, w_norm = make(shape, torch.float32, device)
+    _, dw_query, dw_norm = check(v, w_query, w_norm)
+    h = attn_res(v, w_query, w_norm)
+    assert torch.equal(h, torch.zeros_like(h))
+    assert torch.equal(dw_query, torch.zeros_like(dw_query)) and torch.equal(dw_norm, torch.zeros_like(dw_norm))
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["single-pass", "d-tiled"])
+def test_op_contract(device, onchip_bytes, tiled):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation."""
+    if tiled:  # a 2 KiB budget cannot hold a 96-wide row: both kernels tile D
+        forced = onchip_bytes(2048)
+        assert op.plan((3, 2, 3, 96), torch.float32, forced)["backward"].col_tiles > 1
+    v, w_query, w_norm = make((3, 2, 3, 96), torch.float32 if tiled else torch.bfloat16, device)
+    if tiled:  # rows inside a wider buffer: the kernels take the layout without a copy
+        v = non_contiguous(v, "rows")
+    inputs = tuple(t.requires_grad_() for t in (v, w_query, w_norm))
+    assert_op_contract(attn_res, inputs, expect_ops={"attn_res_forward", "attn_res_backward"})
 
 
 @pytest.mark.parametrize("name", ASCEND)

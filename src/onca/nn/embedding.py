@@ -17,8 +17,9 @@ class Embedding(nn.Module):
 
     Onca's own options: ``deterministic=True`` makes the weight gradient bitwise reproducible (sorted
     segment reduction instead of fp32 atomics; bf16/fp16 weights always take that path), and
-    ``check_bounds=False`` skips the out-of-range check, which costs one host-device
-    synchronisation per forward (out-of-range indices are then masked, never read).
+    ``check_bounds=True`` raises ``IndexError`` for an out-of-range index at the cost of one
+    host-device synchronisation per forward (without it such indices are masked, never read, and on
+    CUDA stop the kernel with a device-side assertion, as ``torch.nn.Embedding``'s do).
     """
 
     def __init__(
@@ -35,7 +36,7 @@ class Embedding(nn.Module):
         device=None,
         dtype=None,
         deterministic: bool = False,
-        check_bounds: bool = True,
+        check_bounds: bool = False,
     ):
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
@@ -72,8 +73,8 @@ class Embedding(nn.Module):
                 self.weight[self.padding_idx].fill_(0)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return embedding(input, self.weight, self.padding_idx, self.deterministic, self.scale_grad_by_freq,
-                         self.check_bounds)
+        return embedding(input, self.weight, self.padding_idx, scale_grad_by_freq=self.scale_grad_by_freq,
+                         deterministic=self.deterministic, check_bounds=self.check_bounds)
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, padding_idx: int | None = None,
@@ -94,6 +95,6 @@ class Embedding(nn.Module):
             s += ", scale_grad_by_freq=True"
         if self.deterministic:
             s += ", deterministic=True"
-        if not self.check_bounds:
-            s += ", check_bounds=False"
+        if self.check_bounds:
+            s += ", check_bounds=True"
         return s

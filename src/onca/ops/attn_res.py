@@ -42,16 +42,21 @@ weights only; ``rstd``, the scores and ``alpha`` are recomputed (the backward re
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile
-from onca.ops._rows import as_rows
-from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
+from torch import Tensor
+
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._rows import rows_cols
+from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
-__all__ = ["attn_res", "AttnResFunction", "plan"]
+__all__ = ["attn_res", "plan"]
 
 # Live tiles of each kernel (tiles in V's dtype, fp32 tiles), as the planner counts them, before
 # their address tiles: the element offsets of the slab loads (forward) and of the slab loads and dV
@@ -336,16 +341,6 @@ def _attn_res_backward_kernel(
 # --------------------------------------------------------------------------------------- launchers
 
 
-def _rows_cols(shape) -> tuple[int, int, int]:
-    shape = tuple(int(s) for s in shape)
-    if len(shape) < 2:
-        raise ValueError(f"attn_res plans take V's shape (N, ..., D), got {shape}")
-    rows = 1
-    for s in shape[1:-1]:
-        rows *= s
-    return shape[0], rows, shape[-1]
-
-
 def _plans(rows: int, cols: int, dtype: torch.dtype, offsets_64: bool, profile=None) -> dict[str, RowPlan]:
     per_address = 2 if offsets_64 else 1
     plans = {}
@@ -364,7 +359,9 @@ def _needs_offsets_64(rows: int, cols: int, *row_strides: int) -> bool:
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The forward and backward plans for a contiguous ``V`` of ``shape`` (``(N, ..., D)``)."""
-    _, rows, cols = _rows_cols(shape)
+    if len(shape) < 2:
+        raise ValueError(f"attn_res plans take V's shape (N, ..., D), got {tuple(shape)}")
+    rows, cols = rows_cols(shape[1:])
     return _plans(rows, cols, dtype, _needs_offsets_64(rows, cols, cols), profile)
 
 
@@ -373,34 +370,49 @@ def _n_pad(n_slabs: int, p: RowPlan, backward: bool) -> int:
     return next_power_of_2(n_slabs) if backward or not p.single_pass else 1
 
 
-def attn_res_forward(v3: torch.Tensor, w_query: torch.Tensor, w_norm: torch.Tensor, eps: float, out_shape):
-    """``h`` allocated in ``out_shape`` (not a view: callers may modify it in place)."""
-    n_slabs, rows, cols = v3.shape
-    offsets_64 = _needs_offsets_64(rows, cols, v3.stride(1), cols)
-    p = _plans(rows, cols, v3.dtype, offsets_64)["forward"]
-    h = torch.empty(out_shape, dtype=v3.dtype, device=v3.device)
-    h2d = h.view(rows, cols)
+@custom_op("attn_res_forward")
+def attn_res_forward(v: Tensor, w_query: Tensor, w_norm: Tensor, eps: float) -> Tensor:
+    """``h`` ``(R, D)`` for ``V`` as ``(N, R, D)`` slabs with unit column stride."""
+    n_slabs, rows, cols = v.shape
+    if n_slabs == 0:  # a sum over no layers, as torch's
+        return torch.zeros((rows, cols), dtype=v.dtype, device=v.device)
+    h = torch.empty((rows, cols), dtype=v.dtype, device=v.device)
+    if rows == 0 or cols == 0:
+        return h
+    offsets_64 = _needs_offsets_64(rows, cols, v.stride(1), cols)
+    p = _plans(rows, cols, v.dtype, offsets_64)["forward"]
     _attn_res_forward_kernel[(p.grid,)](
-        v3, w_query, w_norm, h2d,
-        n_slabs, rows, cols, v3.stride(0), v3.stride(1), h2d.stride(0), eps,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, N_PAD=_n_pad(n_slabs, p, False),
-        OFFSETS_64=offsets_64, num_warps=p.num_warps,
+        v, w_query, w_norm, h,
+        n_slabs, rows, cols, v.stride(0), v.stride(1), h.stride(0), eps,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+        N_PAD=_n_pad(n_slabs, p, False), OFFSETS_64=offsets_64, num_warps=p.num_warps,
     )
     return h
 
 
-def attn_res_backward(dh2d, v3, w_query, w_norm, eps: float):
-    n_slabs, rows, cols = v3.shape
-    offsets_64 = _needs_offsets_64(rows, cols, v3.stride(1), dh2d.stride(0), cols)
-    p = _plans(rows, cols, v3.dtype, offsets_64)["backward"]
-    dv = torch.empty((n_slabs, rows, cols), dtype=v3.dtype, device=v3.device)
+@attn_res_forward.register_fake
+def _(v, w_query, w_norm, eps):
+    return v.new_empty(v.shape[1:])
+
+
+@custom_op("attn_res_backward")
+def attn_res_backward(dh: Tensor, v: Tensor, w_query: Tensor, w_norm: Tensor,
+                      eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dV, dw_query, dw_norm)``; ``dh`` ``(R, D)`` and ``V`` ``(N, R, D)`` with unit column stride."""
+    n_slabs, rows, cols = v.shape
+    dv = torch.empty((n_slabs, rows, cols), dtype=v.dtype, device=v.device)
+    if dv.numel() == 0:
+        return dv, torch.zeros_like(w_query), torch.zeros_like(w_norm)
+    offsets_64 = _needs_offsets_64(rows, cols, v.stride(1), dh.stride(0), cols)
+    p = _plans(rows, cols, v.dtype, offsets_64)["backward"]
     # Zeroed because the D-tiled path accumulates into it; the single-pass path overwrites it.
-    g_partial = torch.zeros((p.grid, cols), dtype=torch.float32, device=v3.device)
+    g_partial = torch.zeros((p.grid, cols), dtype=torch.float32, device=v.device)
     _attn_res_backward_kernel[(p.grid,)](
-        v3, w_query, w_norm, dh2d, dv, g_partial,
-        n_slabs, rows, cols, v3.stride(0), v3.stride(1), dh2d.stride(0), dv.stride(0), dv.stride(1), eps,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, N_PAD=_n_pad(n_slabs, p, True),
-        OFFSETS_64=offsets_64, SAME_ROWS=v3.stride(1) == dv.stride(1), num_warps=p.num_warps,
+        v, w_query, w_norm, dh, dv, g_partial,
+        n_slabs, rows, cols, v.stride(0), v.stride(1), dh.stride(0), dv.stride(0), dv.stride(1), eps,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+        N_PAD=_n_pad(n_slabs, p, True), OFFSETS_64=offsets_64, SAME_ROWS=v.stride(1) == dv.stride(1),
+        num_warps=p.num_warps,
     )
     g = g_partial.sum(dim=0)
     dw_query = (w_norm.to(torch.float32) * g).to(w_query.dtype)
@@ -408,39 +420,40 @@ def attn_res_backward(dh2d, v3, w_query, w_norm, eps: float):
     return dv, dw_query, dw_norm
 
 
-def _as_slabs(v: torch.Tensor) -> torch.Tensor:
-    """``V`` as ``(N, R, D)`` with unit column stride, copying only if its layout needs it."""
-    n_slabs, cols = v.shape[0], v.shape[-1]
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    try:
-        return v.view(n_slabs, -1, cols)
-    except RuntimeError:  # the middle dimensions do not merge into one row stride
-        return v.contiguous().view(n_slabs, -1, cols)
+@attn_res_backward.register_fake
+def _(dh, v, w_query, w_norm, eps):
+    return v.new_empty(v.shape), w_query.new_empty(w_query.shape), w_norm.new_empty(w_norm.shape)
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
-class AttnResFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves ``V`` (as the ``(N, R, D)`` view the kernels use), ``w_query`` and
-    ``w_norm``; the backward recomputes everything else."""
+def _setup_context(ctx, inputs, output):
+    v, w_query, w_norm, eps = inputs
+    ctx.save_for_backward(v, w_query, w_norm)
+    ctx.eps = eps
 
-    @staticmethod
-    def forward(ctx, v, w_query, w_norm, eps):
-        v3 = _as_slabs(v)
-        w_query, w_norm = w_query.contiguous(), w_norm.contiguous()
-        h = attn_res_forward(v3, w_query, w_norm, float(eps), v.shape[1:])
-        ctx.save_for_backward(v3, w_query, w_norm)
-        ctx.eps, ctx.v_shape = float(eps), v.shape
-        return h
 
-    @staticmethod
-    def backward(ctx, dh):
-        v3, w_query, w_norm = ctx.saved_tensors
-        dh2d = as_rows(dh.reshape(-1, dh.shape[-1]))
-        dv, dw_query, dw_norm = attn_res_backward(dh2d, v3, w_query, w_norm, ctx.eps)
-        return dv.view(ctx.v_shape), dw_query, dw_norm, None
+def _backward(ctx, dh):
+    v, w_query, w_norm = ctx.saved_tensors
+    dh = dh if dh.stride(-1) == 1 else dh.contiguous()
+    dv, dw_query, dw_norm = attn_res_backward(dh, v, w_query, w_norm, ctx.eps)
+    return dv, dw_query, dw_norm, None
+
+
+register_autograd(attn_res_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _as_slabs(v: Tensor) -> Tensor:
+    """``V`` as ``(N, R, D)`` with unit column stride, copying only if its layout needs it (reshape
+    copies where the middle dimensions do not merge into one row stride)."""
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    # The row count from the shape, symbolic under torch.compile (-1 is ambiguous for empty V).
+    return v.reshape(v.shape[0], math.prod(v.shape[1:-1]), v.shape[-1])
 
 
 def _validate(v, w_query, w_norm, eps) -> None:
@@ -448,20 +461,26 @@ def _validate(v, w_query, w_norm, eps) -> None:
     check_float(w_query, "w_query")
     check_float(w_norm, "w_norm")
     if v.dim() < 2:
-        raise ValueError(f"V must have shape (N, ..., D) with at least 2 dimensions, got shape {tuple(v.shape)}")
-    check_nonempty(v, "V")
+        raise ValueError("V must have shape (N, ..., D) with at least 2 dimensions, "
+                         f"got shape {tuple(v.shape)}")
     hidden = v.shape[-1]
     for w, name in ((w_query, "w_query"), (w_norm, "w_norm")):
         if w.dim() != 1 or w.shape[0] != hidden:
             raise ValueError(f"{name} must have shape ({hidden},) (V's hidden size), got {tuple(w.shape)}")
         check_same_device(w, name, v, "V")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    check_number(eps, "eps", minimum=0.0)
 
 
-def attn_res(v, w_query, w_norm, eps=1e-6):
-    """Softmax attention over the first dimension of ``V`` (``(N, ..., D)``); returns ``(..., D)``.
-    See the module docstring."""
-    check_tensor(v, "V")
-    _validate(v, w_query, w_norm, eps)
-    return AttnResFunction.apply(v, w_query, w_norm, eps)
+def attn_res(V: Tensor, w_query: Tensor, w_norm: Tensor, eps: float = 1e-6) -> Tensor:
+    """Attention residuals: softmax attention over the first dimension of ``V`` (``(N, ..., D)``,
+    e.g. ``[N, B, T, D]``, the outputs of N earlier layers).
+
+    ``K = rms_norm(V) * w_norm`` over D, ``score = <w_query, K>``, ``alpha = softmax(score)`` over N,
+    and the result ``sum_n alpha[n] * V[n]`` has shape ``(..., D)`` and ``V``'s dtype. ``w_query``
+    and ``w_norm`` have shape ``(D,)``; all arithmetic is in fp32. Differentiable in all three.
+    Empty inputs give what PyTorch's formula gives: no positions, an empty result; no layers
+    (``N = 0``), zeros; the weights' gradients are then zeros.
+    """
+    _validate(V, w_query, w_norm, eps)
+    h = attn_res_forward(_as_slabs(V), w_query.contiguous(), w_norm.contiguous(), float(eps))
+    return h.view(V.shape[1:])

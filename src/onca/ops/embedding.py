@@ -12,22 +12,27 @@ accumulating in fp32, by one of two kernels:
   rounding, but the order of the additions, hence the last bits, may vary from run to run.
 - **segment** (``deterministic=True``, and always for bf16/fp16 weights, ``scale_grad_by_freq``, or
   under ``torch.use_deterministic_algorithms(True)``): the flat indices are sorted on the device
-  (a stable ``torch.sort``; no host synchronisation) and ``torch.searchsorted`` gives each weight
-  row its segment of equal indices. One kernel then walks the weight gradient in 2-D tiles (a block
-  of weight rows x a block of columns): each program owns whole segments, sums its rows' gradients
-  in fp32 in token order, and writes every element of its tile exactly once (zeros for rows no
-  token used), so no two programs write the same element, no zero fill is needed, and the result is
-  bitwise reproducible. Atomics into a bf16/fp16 gradient would accumulate in 16 bits (frequent
-  tokens lose precision) and an fp32 scratch would triple the memory traffic, so 16-bit weights
-  always take this path; it writes each gradient element once and is as fast.
+  (a stable ``torch.sort``; every size is known from the shapes, so no host synchronisation) and
+  ``torch.searchsorted`` gives each weight row its segment of equal indices. One kernel then walks
+  the weight gradient in 2-D tiles (a block of weight rows x a block of columns): each program owns
+  whole segments, sums its rows' gradients in fp32 in token order, and writes every element of its
+  tile exactly once (zeros for rows no token used), so no two programs write the same element, no
+  zero fill is needed, and the result is bitwise reproducible. Atomics into a bf16/fp16 gradient
+  would accumulate in 16 bits (frequent tokens lose precision) and an fp32 scratch would triple the
+  memory traffic, so 16-bit weights always take this path; it writes each gradient element once and
+  is as fast.
 
 ``padding_idx``: that row is gathered as usual but receives no gradient (as ``torch.nn.Embedding``).
 
-Out-of-range indices: by default the op checks ``0 <= index < num_embeddings`` with one min/max
-reduction on the device, which **synchronises the host with the device** once per forward
-(skipped while a CUDA graph is being captured). ``check_bounds=False`` drops the check; the
-kernels still mask every index to the table, so an out-of-range index never reads or writes out of
-bounds: its output row is zeros and it contributes no gradient.
+Out-of-range indices never read or write outside the table: every kernel masks them (a zero
+output row, no gradient). On CUDA the forward kernel also asserts ``0 <= index < num_embeddings`` on
+the device, as PyTorch's CUDA embedding does: an out-of-range index stops the kernel with a
+device-side assertion, with no host synchronisation (the CUDA context is unusable afterwards, as
+after PyTorch's). The interpreter and other backends mask only. ``check_bounds=True`` adds a check
+on the host that raises ``IndexOutOfRangeError``: one min/max reduction and one host-device
+synchronisation per forward (skipped while a CUDA graph is being captured).
+
+No tokens (or an empty table) gives what PyTorch gives: an empty output and a zero weight gradient.
 
 Saved for backward: the flat indices only (the gradient does not depend on the weight).
 """
@@ -35,16 +40,20 @@ Saved for backward: the flat indices only (the gradient does not depend on the w
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from onca.device import DeviceProfile, get_profile
-from onca.ops._validate import check_float, check_index, check_same_device, check_tensor
+from torch import Tensor
+
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._validate import check_bool, check_float, check_index, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["embedding", "EmbeddingFunction", "IndexOutOfRangeError", "plan"]
+__all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 
 # Live tiles of each kernel, counted as the planner expects (tiles in the weight dtype, fp32 tiles).
 # Each kernel also materialises int64 address tiles for its gathered loads and its stores or
@@ -80,8 +89,11 @@ def _embedding_forward_kernel(
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_tokens
         idx = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        # Never read outside the table, even if the caller turned the bounds check off.
-        valid = row_mask & (idx >= 0) & (idx < n_embeddings)
+        in_table = (idx >= 0) & (idx < n_embeddings)
+        # Compiled in only where the launch passes debug=True (_device_asserts): a no-op elsewhere.
+        tl.device_assert(in_table, "embedding: an index is outside [0, num_embeddings)", mask=row_mask)
+        # Never read outside the table, whether or not the assertion is compiled in.
+        valid = row_mask & in_table
         w = tl.load(w_ptr + idx[:, None] * w_row_stride + cols[None, :],
                     mask=valid[:, None] & col_mask[None, :], other=0.0)
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_row_stride + cols[None, :], w,
@@ -108,7 +120,8 @@ def _embedding_backward_atomic_kernel(
         idx = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         valid = row_mask & (idx >= 0) & (idx < n_embeddings) & (idx != padding_idx)
         mask = valid[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :],
+                     mask=mask, other=0.0)
         tl.atomic_add(dw_ptr + idx[:, None] * dw_row_stride + cols[None, :], dy.to(tl.float32), mask=mask,
                       sem="relaxed")
 
@@ -151,7 +164,8 @@ def _embedding_backward_segment_kernel(
 # --------------------------------------------------------------------------------------- launchers
 
 
-def _tile_plan(rows: int, cols: int, dtype: torch.dtype, tiles: dict, profile: DeviceProfile | None) -> RowPlan:
+def _tile_plan(rows: int, cols: int, dtype: torch.dtype, tiles: dict,
+               profile: DeviceProfile | None) -> RowPlan:
     """``plan_rows`` for a kernel whose programs loop over (row block, column tile) pairs: column
     tiles are independent here (no per-row state), so the grid covers both."""
     profile = profile or get_profile()
@@ -168,9 +182,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     shape = tuple(int(s) for s in shape)
     if len(shape) < 3:
         raise ValueError(f"embedding plans take (*index_shape, num_embeddings, embedding_dim), got {shape}")
-    tokens = 1
-    for s in shape[:-2]:
-        tokens *= s
+    tokens = math.prod(shape[:-2])
     n_embeddings, dim = shape[-2:]
     return {
         "forward": _tile_plan(tokens, dim, dtype, FORWARD_TILES, profile),
@@ -179,74 +191,26 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     }
 
 
-def embedding_forward(idx: torch.Tensor, weight: torch.Tensor, out_shape) -> torch.Tensor:
-    """The gathered rows, allocated in ``out_shape`` (not a view: callers may modify it in place)."""
-    n_tokens = idx.numel()
-    n_embeddings, dim = weight.shape
-    p = _tile_plan(n_tokens, dim, weight.dtype, FORWARD_TILES, None)
-    y = torch.empty(out_shape, dtype=weight.dtype, device=weight.device)
-    y2d = y.view(n_tokens, dim)
-    _embedding_forward_kernel[(p.grid,)](
-        idx, weight, y2d,
-        n_tokens, dim, n_embeddings, weight.stride(0), y2d.stride(0),
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
-    )
-    return y
-
-
-def embedding_backward_atomic(idx, dy2d, n_embeddings: int, padding_idx: int) -> torch.Tensor:
-    """fp32 weight gradient by atomic adds (fp32 weights only: the result is the gradient)."""
-    n_tokens, dim = dy2d.shape
-    p = _tile_plan(n_tokens, dim, torch.float32, ATOMIC_TILES, None)
-    dw = torch.zeros((n_embeddings, dim), dtype=torch.float32, device=dy2d.device)
-    _embedding_backward_atomic_kernel[(p.grid,)](
-        idx, dy2d, dw,
-        n_tokens, dim, n_embeddings, dy2d.stride(0), dw.stride(0), padding_idx,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
-    )
-    return dw
-
-
-def embedding_backward_segment(idx, dy2d, n_embeddings: int, padding_idx: int, dtype: torch.dtype,
-                               scale_grad_by_freq: bool = False) -> torch.Tensor:
-    """Deterministic weight gradient of ``dtype``: sort, find each row's segment, sum segments."""
-    n_tokens, dim = dy2d.shape
-    # A stable sort keeps equal indices in token order, so each segment sums in a fixed order.
-    sorted_idx, perm = torch.sort(idx, stable=True)
-    bounds = torch.arange(n_embeddings + 1, dtype=sorted_idx.dtype, device=idx.device)
-    # offsets[r] = the first sorted position holding an index >= r; indices outside the table (if the
-    # bounds check was off) fall before offsets[0] or after offsets[n_embeddings] and are ignored.
-    offsets = torch.searchsorted(sorted_idx, bounds)
-    p = _tile_plan(n_embeddings, dim, dtype, SEGMENT_TILES, None)
-    dw = torch.empty((n_embeddings, dim), dtype=dtype, device=dy2d.device)
-    _embedding_backward_segment_kernel[(p.grid,)](
-        perm, offsets, dy2d, dw,
-        n_embeddings, dim, dy2d.stride(0), dw.stride(0), padding_idx,
-        SCALE_BY_FREQ=bool(scale_grad_by_freq),
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
-    )
-    return dw
+def _device_asserts(device: torch.device) -> dict:
+    """Launch options that compile the forward kernel's index assertion in: on CUDA (and ROCm) only,
+    where a device-side assertion costs one compare per tile row; Triton's integer-overflow checks,
+    which the same debug mode would add to every address computation, stay off."""
+    return {"debug": True, "sanitize_overflow": False} if device.type == "cuda" else {}
 
 
 def _capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def check_bounds(idx: torch.Tensor, n_embeddings: int, name: str = "indices") -> None:
-    """Raise ``IndexOutOfRangeError`` if any index is outside ``[0, n_embeddings)``.
-
-    One min/max reduction on the device and one host synchronisation (to read its two numbers).
-    """
-    lo, hi = (int(v) for v in torch.stack(torch.aminmax(idx)).tolist())
+def _raise_if_out_of_range(indices: torch.Tensor, n_embeddings: int) -> None:
+    """``IndexOutOfRangeError`` if an index is outside ``[0, n_embeddings)``: one min/max reduction
+    on the device and one host synchronisation, to read its two numbers (``check_bounds=True``)."""
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(indices)).tolist())
     if lo < 0 or hi >= n_embeddings:
         bad = lo if lo < 0 else hi
         raise IndexOutOfRangeError(
-            f"{name} holds {bad}, outside the table's range [0, {n_embeddings}) "
-            f"(min {lo}, max {hi}); pass check_bounds=False to skip this check"
+            f"indices holds {bad}, outside the table's range [0, {n_embeddings}) (min {lo}, max {hi})"
         )
-
-
-# ---------------------------------------------------------------------------------------- autograd
 
 
 def _segment_path(weight_dtype: torch.dtype, deterministic: bool, scale_grad_by_freq: bool) -> bool:
@@ -254,56 +218,107 @@ def _segment_path(weight_dtype: torch.dtype, deterministic: bool, scale_grad_by_
             or torch.are_deterministic_algorithms_enabled())
 
 
-class EmbeddingFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves the flat indices (and the table's shape); not the weight."""
-
-    @staticmethod
-    def forward(ctx, indices, weight, padding_idx, deterministic, scale_grad_by_freq, check):
-        n_embeddings, dim = weight.shape
-        idx = indices.reshape(-1)
-        if not idx.is_contiguous():
-            idx = idx.contiguous()
-        if weight.stride(1) != 1:
-            weight = weight.contiguous()
-        out_shape = (*indices.shape, dim)
-        if idx.numel() == 0:
-            y = torch.empty(out_shape, dtype=weight.dtype, device=weight.device)
-        else:
-            if check and not _capturing(idx):
-                check_bounds(idx, n_embeddings)
-            y = embedding_forward(idx, weight, out_shape)
-        ctx.save_for_backward(idx)
-        ctx.n_embeddings, ctx.w_dtype = n_embeddings, weight.dtype
-        ctx.padding_idx, ctx.deterministic, ctx.scale = padding_idx, deterministic, scale_grad_by_freq
+@custom_op("embedding_forward")
+def embedding_forward(indices: Tensor, weight: Tensor, padding_idx: int, deterministic: bool,
+                      scale_grad_by_freq: bool, check_bounds: bool) -> Tensor:
+    """The gathered rows ``(tokens, embedding_dim)`` for the flat, contiguous ``indices``.
+    ``padding_idx`` (-1: none), ``deterministic`` and ``scale_grad_by_freq`` are the backward's."""
+    n_tokens = indices.shape[0]
+    n_embeddings, dim = weight.shape
+    y = torch.empty((n_tokens, dim), dtype=weight.dtype, device=weight.device)
+    if n_tokens == 0 or dim == 0:
         return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (idx,) = ctx.saved_tensors
-        dim = dy.shape[-1]
-        if idx.numel() == 0:
-            dw = torch.zeros((ctx.n_embeddings, dim), dtype=ctx.w_dtype, device=dy.device)
-            return None, dw, None, None, None, None
-        dy2d = dy.reshape(-1, dim)
-        if dy2d.stride(1) != 1:
-            dy2d = dy2d.contiguous()
-        padding_idx = -1 if ctx.padding_idx is None else ctx.padding_idx
-        if _segment_path(ctx.w_dtype, ctx.deterministic, ctx.scale):
-            dw = embedding_backward_segment(idx, dy2d, ctx.n_embeddings, padding_idx, ctx.w_dtype, ctx.scale)
-        else:
-            dw = embedding_backward_atomic(idx, dy2d, ctx.n_embeddings, padding_idx)
-        return None, dw, None, None, None, None
+    if check_bounds and not _capturing(indices):
+        _raise_if_out_of_range(indices, n_embeddings)
+    p = _tile_plan(n_tokens, dim, weight.dtype, FORWARD_TILES, None)
+    _embedding_forward_kernel[(p.grid,)](
+        indices, weight, y,
+        n_tokens, dim, n_embeddings, weight.stride(0), y.stride(0),
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
+        **_device_asserts(y.device),
+    )
+    return y
 
 
-def _validate(indices, weight, padding_idx) -> int | None:
-    check_index(indices, "indices")
-    check_float(weight, "weight")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
-    if weight.numel() == 0:
-        raise ValueError(f"weight is empty (shape {tuple(weight.shape)}); Onca kernels need at least one element")
-    check_same_device(indices, "indices", weight, "weight")
-    return normalize_padding_idx(padding_idx, weight.shape[0])
+@embedding_forward.register_fake
+def _(indices, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds):
+    return weight.new_empty((indices.shape[0], weight.shape[1]))
+
+
+def _backward_atomic(indices, dy, dw, padding_idx: int) -> None:
+    """Add ``dy``'s rows into the zeroed fp32 ``dw`` with atomic adds (fp32 weights only)."""
+    n_tokens, dim = dy.shape
+    p = _tile_plan(n_tokens, dim, torch.float32, ATOMIC_TILES, None)
+    _embedding_backward_atomic_kernel[(p.grid,)](
+        indices, dy, dw,
+        n_tokens, dim, dw.shape[0], dy.stride(0), dw.stride(0), padding_idx,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
+    )
+
+
+def _backward_segment(indices, dy, dw, padding_idx: int, scale_grad_by_freq: bool) -> None:
+    """Write every element of ``dw`` once: sort, find each row's segment, sum the segments."""
+    n_embeddings, dim = dw.shape
+    # A stable sort keeps equal indices in token order, so each segment sums in a fixed order.
+    sorted_indices, perm = torch.sort(indices, stable=True)
+    bounds = torch.arange(n_embeddings + 1, dtype=sorted_indices.dtype, device=indices.device)
+    # offsets[r] = the first sorted position holding an index >= r; indices outside the table fall
+    # before offsets[0] or after offsets[n_embeddings] and are ignored.
+    offsets = torch.searchsorted(sorted_indices, bounds)
+    p = _tile_plan(n_embeddings, dim, dw.dtype, SEGMENT_TILES, None)
+    _embedding_backward_segment_kernel[(p.grid,)](
+        perm, offsets, dy, dw,
+        n_embeddings, dim, dy.stride(0), dw.stride(0), padding_idx,
+        SCALE_BY_FREQ=scale_grad_by_freq,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
+    )
+
+
+@custom_op("embedding_backward")
+def embedding_backward(dy: Tensor, indices: Tensor, n_embeddings: int, padding_idx: int,
+                       deterministic: bool, scale_grad_by_freq: bool, weight_dtype: torch.dtype) -> Tensor:
+    """The dense weight gradient ``(n_embeddings, embedding_dim)`` of ``weight_dtype`` for ``dy``
+    ``(tokens, embedding_dim)`` (unit column stride); the kernel is chosen by ``_segment_path``."""
+    n_tokens, dim = dy.shape
+    if n_tokens == 0 or n_embeddings == 0 or dim == 0:
+        return torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
+    if _segment_path(weight_dtype, deterministic, scale_grad_by_freq):
+        dw = torch.empty((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
+        _backward_segment(indices, dy, dw, padding_idx, scale_grad_by_freq)
+    else:  # fp32 weights: the atomics accumulate into the gradient itself
+        dw = torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
+        _backward_atomic(indices, dy, dw, padding_idx)
+    return dw
+
+
+@embedding_backward.register_fake
+def _(dy, indices, n_embeddings, padding_idx, deterministic, scale_grad_by_freq, weight_dtype):
+    return dy.new_empty((n_embeddings, dy.shape[1]), dtype=weight_dtype)
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    indices, weight, padding_idx, deterministic, scale_grad_by_freq, _check_bounds = inputs
+    ctx.save_for_backward(indices)
+    ctx.n_embeddings, ctx.weight_dtype = weight.shape[0], weight.dtype
+    ctx.padding_idx, ctx.deterministic = padding_idx, deterministic
+    ctx.scale_grad_by_freq = scale_grad_by_freq
+
+
+def _backward(ctx, dy):
+    (indices,) = ctx.saved_tensors
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dw = embedding_backward(dy, indices, ctx.n_embeddings, ctx.padding_idx, ctx.deterministic,
+                            ctx.scale_grad_by_freq, ctx.weight_dtype)
+    return None, dw, None, None, None, None
+
+
+register_autograd(embedding_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
 
 
 def normalize_padding_idx(padding_idx, n_embeddings: int) -> int | None:
@@ -317,12 +332,49 @@ def normalize_padding_idx(padding_idx, n_embeddings: int) -> int | None:
     return padding_idx + n_embeddings if padding_idx < 0 else padding_idx
 
 
-def embedding(indices, weight, padding_idx=None, deterministic=False, scale_grad_by_freq=False,
-              check_bounds=True):
-    """Look up rows of ``weight`` (``(num_embeddings, embedding_dim)``) for integer ``indices`` of any
-    shape; returns ``(*indices.shape, embedding_dim)`` in the weight's dtype. See the module
-    docstring for the two backward kernels and the bounds check."""
-    check_tensor(weight, "weight")
-    padding_idx = _validate(indices, weight, padding_idx)
-    return EmbeddingFunction.apply(indices, weight, padding_idx, bool(deterministic), bool(scale_grad_by_freq),
-                                   bool(check_bounds))
+def _validate(indices, weight, padding_idx, scale_grad_by_freq, deterministic, check_bounds) -> int:
+    """The checks of :func:`embedding`; returns ``padding_idx`` in ``[0, num_embeddings)``, or -1."""
+    check_index(indices, "indices")
+    check_float(weight, "weight")
+    if weight.dim() != 2:
+        raise ValueError("weight must be 2-D (num_embeddings, embedding_dim), "
+                         f"got shape {tuple(weight.shape)}")
+    check_same_device(indices, "indices", weight, "weight")
+    check_bool(scale_grad_by_freq, "scale_grad_by_freq")
+    check_bool(deterministic, "deterministic")
+    check_bool(check_bounds, "check_bounds")
+    padding_idx = normalize_padding_idx(padding_idx, weight.shape[0])
+    return -1 if padding_idx is None else padding_idx
+
+
+def embedding(
+    indices: Tensor,
+    weight: Tensor,
+    padding_idx: int | None = None,
+    *,
+    scale_grad_by_freq: bool = False,
+    deterministic: bool = False,
+    check_bounds: bool = False,
+) -> Tensor:
+    """Embedding lookup ``weight[indices]``: ``(*indices.shape, embedding_dim)`` in the weight's dtype.
+
+    The arguments shared with ``torch.nn.functional.embedding`` come in its order; the rest are
+    keyword-only (a positional ``max_norm`` meant for torch is refused, not misread).
+    ``indices``: int32 or int64, any shape (no tokens: an empty result, a zero weight gradient).
+    ``padding_idx``: that row gets no gradient (negative values count from the end).
+    ``scale_grad_by_freq``: each row's gradient is divided by the number of its index's occurrences.
+    The weight gradient accumulates in fp32; ``deterministic=True`` makes it bitwise reproducible
+    (sorted segment reduction; bf16/fp16 weights and ``scale_grad_by_freq`` always use it),
+    otherwise fp32 weights use atomic adds.
+
+    Out-of-range indices never read or write outside the table: they give zero rows and no
+    gradient, and on CUDA the forward kernel asserts on the device (a device-side assertion, as
+    PyTorch's CUDA embedding; no host synchronisation). ``check_bounds=True`` raises
+    ``IndexOutOfRangeError`` (an ``IndexError`` and a ``ValueError``) naming ``indices`` instead, at
+    the cost of one host-device synchronisation per forward (skipped during CUDA graph capture).
+    """
+    padding_idx = _validate(indices, weight, padding_idx, scale_grad_by_freq, deterministic, check_bounds)
+    flat = indices.reshape(-1).contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    y = embedding_forward(flat, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds)
+    return y.view(*indices.shape, weight.shape[1])
