@@ -17,11 +17,12 @@ def rows_cols(shape) -> tuple[int, int]:
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a 2-D ``(rows, last_dim)`` matrix with unit column stride, copying only if needed."""
+    # The row count comes from the shape, not -1: a zero-width input is a valid (empty) matrix.
     if t.is_contiguous():  # the common case, on every launch: keep it cheap
-        return t.view(-1, t.shape[-1])
+        return t.view(math.prod(t.shape[:-1]), t.shape[-1])
     if t.dim() > 0 and t.stride(-1) != 1:
         t = t.contiguous()
-    rows = t.reshape(-1, t.shape[-1])
+    rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
     if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
     return rows
