@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
 from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
