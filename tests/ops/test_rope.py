@@ -9,6 +9,7 @@ import onca
 from onca.models import MODELS
 from onca.device import PROFILES
 from onca.ops import rope as op
+from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, randn
 
 transformers = pytest.importorskip("transformers")
@@ -67,7 +68,7 @@ def make(shape, dtype, device, layout=1, cos_batch=1, real=True, cos_dtype=None)
 
 def reference(q, k, cos, sin, layout=1):
     """transformers' partial-rotary expression (Phi-3's; Llama's when rotary_dim == head_dim) in
-    float64. The kernel rounds once, at its store."""
+    float64, with ``cos.unsqueeze(layout)``. The kernel rounds once, at its store."""
     q64 = q.detach().to(torch.float64).requires_grad_(True)
     k64 = k.detach().to(torch.float64).requires_grad_(True)
     qe, ke = phi3_rope(q64, k64, cos.to(torch.float64), sin.to(torch.float64), unsqueeze_dim=layout)
@@ -261,17 +262,17 @@ def test_outputs_are_new_and_inputs_untouched(device):
 
 
 @pytest.mark.parametrize("layout", [1, 2])
-def test_in_place_backward_reuses_gradients(device, layout):
+def test_overwrite_grad_output_reuses_gradients(device, layout):
     q, k, cos, sin = make(BASE, torch.bfloat16, device, layout)
     q1, k1 = leaf(q), leaf(k)
     outs = rotary_pos_emb(q1, k1, cos, sin, unsqueeze_dim=layout)
     grads = tuple(torch.randn_like(t) for t in outs)
     expected = torch.autograd.grad(outs, (q1, k1), tuple(g.clone() for g in grads))
     q2, k2 = leaf(q), leaf(k)
-    outs = rotary_pos_emb(q2, k2, cos, sin, unsqueeze_dim=layout, in_place_backward=True)
+    outs = rotary_pos_emb(q2, k2, cos, sin, unsqueeze_dim=layout, overwrite_grad_output=True)
     got = torch.autograd.grad(outs, (q2, k2), grads)
     for g, buffer, e in zip(got, grads, expected):
-        assert g.data_ptr() == buffer.data_ptr(), "in_place_backward=True must write into the gradient"
+        assert g.data_ptr() == buffer.data_ptr(), "overwrite_grad_output=True must write into the gradient"
         assert torch.equal(g, e)
 
 
@@ -300,8 +301,12 @@ def test_bad_input(device):
         rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
     with pytest.raises(ValueError, match="q must be 4-D"):
         rotary_pos_emb(q[0], k, cos, sin)
-    with pytest.raises(ValueError, match="cos must be 3-D"):
-        rotary_pos_emb(q, k, cos[0], sin)
+    with pytest.raises(ValueError, match="cos must be 2-D .* or 3-D"):
+        rotary_pos_emb(q, k, cos[0, 0], sin[0, 0])
+    with pytest.raises(ValueError, match="unsqueeze_dim must be 0 or -3 .* or 1 or -2 .* for 2-D cos"):
+        rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=2)
+    with pytest.raises(TypeError, match="unsqueeze_dim must be an int"):
+        rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1.0)
     with pytest.raises(ValueError, match="k must match q"):
         rotary_pos_emb(q, k[..., :-2], cos, sin)
     with pytest.raises(ValueError, match="sin must have cos's shape"):
@@ -313,9 +318,70 @@ def test_bad_input(device):
     wide = torch.cat((cos, cos), dim=-1)
     with pytest.raises(ValueError, match="rotary dim"):
         rotary_pos_emb(q, k, wide, wide)
-    with pytest.raises(ValueError, match="q is empty"):
-        rotary_pos_emb(q[:, :, :0], k[:, :, :0], cos[:, :0], sin[:, :0])
-    with pytest.raises(TypeError, match="in_place_backward"):
-        rotary_pos_emb(q, k, cos, sin, in_place_backward=1)
+    with pytest.raises(ValueError, match="cos must have shape"):
+        rotary_pos_emb(q, k, cos.expand(3, -1, -1), sin.expand(3, -1, -1))
+    with pytest.raises(TypeError, match="overwrite_grad_output must be a bool"):
+        rotary_pos_emb(q, k, cos, sin, overwrite_grad_output=1)
     with pytest.raises(ValueError, match="cos is on meta"):
         rotary_pos_emb(q, k, torch.empty(cos.shape, device="meta"), sin)
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+@pytest.mark.parametrize("rotary", ["full", "partial"])
+def test_2d_cos_as_vision_towers_pass_it(device, layout, rotary):
+    """``(seq, rotary_dim)`` cos/sin (Pixtral's vision tower calls ``apply_rotary_pos_emb`` with
+    them and ``unsqueeze_dim=0``): ``cos.unsqueeze(unsqueeze_dim)`` decides the layout, as in
+    transformers; negative dims too."""
+    b, s, hq, hk, d, _ = BASE
+    shape = (b, s, hq, hk, d, d if rotary == "full" else d // 2)
+    q, k, cos, sin = make(shape, torch.float32, device, layout, real=False)
+    for unsqueeze_dim in (layout - 1, layout - 4):  # 0, -3: (B, H, S, D); 1, -2: (B, S, H, D)
+        check(q, k, cos[0], sin[0], layout=unsqueeze_dim)
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 3, 1, 16, 16), (0, 4, 3, 1, 16, 8)], ids=_id)
+@pytest.mark.parametrize("layout", [1, 2])
+def test_empty_input_as_torch(device, shape, layout):
+    """No tokens (an empty batch or sequence): empty results and gradients, as transformers gives."""
+    q, k, cos, sin = make(shape, torch.bfloat16, device, layout, real=False, cos_dtype=torch.float32)
+    q1, k1, q2, k2 = leaf(q), leaf(k), leaf(q), leaf(k)
+    ours = rotary_pos_emb(q1, k1, cos, sin, unsqueeze_dim=layout)
+    theirs = phi3_rope(q2, k2, cos, sin, unsqueeze_dim=layout)
+    for a, e in zip(ours, theirs):
+        assert a.shape == e.shape and a.dtype == e.dtype
+    torch.autograd.backward(ours, tuple(torch.ones_like(t) for t in ours))
+    torch.autograd.backward(theirs, tuple(torch.ones_like(t) for t in theirs))
+    for a, e in ((q1.grad, q2.grad), (k1.grad, k2.grad)):
+        assert a.shape == e.shape and a.dtype == e.dtype
+
+
+# (layout, cos dims, rotary dim, overwrite_grad_output, how the function is called): each a path
+CONTRACT_CASES = {
+    "bhsd": (1, 3, 16, False, "keyword"),
+    "bshd_2d_cos_partial_overwrite": (2, 2, 8, True, "keyword"),
+    "position_ids_tensor": (1, 3, 16, False, "position_ids"),
+    "transformers5_positional": (2, 3, 16, True, "positional"),
+    "k_embed_unused": (1, 3, 16, False, "q_only"),
+}
+
+
+@pytest.mark.parametrize("case", CONTRACT_CASES)
+def test_op_contract(device, case):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation; bf16 q/k
+    with fp32 cos/sin, so the outputs (fp32) and gradients (bf16) differ in dtype."""
+    layout, cos_dims, r, overwrite, how = CONTRACT_CASES[case]
+    q, k, cos, sin = make((2, 3, 2, 1, 16, r), torch.bfloat16, device, layout, cos_dtype=torch.float32)
+    if cos_dims == 2:
+        cos, sin = cos[0], sin[0]
+    unsqueeze_dim = layout - (3 - cos_dims)
+    position_ids = torch.arange(3, device=device)[None]
+    calls = {
+        "keyword": lambda q, k, cos, sin, pos: rotary_pos_emb(
+            q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, overwrite_grad_output=overwrite),
+        "position_ids": lambda q, k, cos, sin, pos: rotary_pos_emb(q, k, cos, sin, pos, unsqueeze_dim),
+        "positional": lambda q, k, cos, sin, pos: rotary_pos_emb(
+            q, k, cos, sin, unsqueeze_dim, overwrite_grad_output=overwrite),
+        "q_only": lambda q, k, cos, sin, pos: rotary_pos_emb(q, k, cos, sin, pos)[0],
+    }
+    inputs = (q.requires_grad_(), k.requires_grad_(), cos, sin, position_ids)
+    assert_op_contract(calls[how], inputs, expect_ops={"rope_forward", "rope_backward"})

@@ -16,10 +16,13 @@ program takes a block of tokens, loads their ``cos``/``sin`` rows once (both hal
 not be duplicated ``cat(freqs, freqs)`` rows), and applies them to every head of ``q`` and ``k`` of
 those tokens, a tile of (tokens x heads x half-width) at a time: each half is one wide load.
 
-Layouts: ``unsqueeze_dim=1`` takes ``(batch, heads, seq, head_dim)`` tensors, ``unsqueeze_dim=2``
-``(batch, seq, heads, head_dim)``; ``cos``/``sin`` are ``(1 or batch, seq, rotary_dim)``. Any strides
-with a unit last-dim stride are read in place (e.g. ``q_proj(x).view(B, S, H, D).transpose(1, 2)``);
-the outputs take the input's memory layout (``torch.empty_like``), as PyTorch's elementwise ops do.
+Layouts, as ``cos.unsqueeze(unsqueeze_dim)`` broadcasts in transformers: ``cos``/``sin`` of shape
+``(1 or batch, seq, rotary_dim)`` with ``unsqueeze_dim=1`` take ``(batch, heads, seq, head_dim)``
+tensors, with ``unsqueeze_dim=2`` ``(batch, seq, heads, head_dim)``; the vision towers' 2-D
+``(seq, rotary_dim)`` tables do the same with ``unsqueeze_dim`` 0 and 1 (they reach the kernels as a
+``(1, seq, rotary_dim)`` view). Any strides with a unit last-dim stride are read in place (e.g.
+``q_proj(x).view(B, S, H, D).transpose(1, 2)``); the outputs take the input's memory layout
+(``torch.empty_like``), as PyTorch's elementwise ops do. No tokens gives empty results, as in PyTorch.
 
 The output dtype follows PyTorch's promotion of ``q`` (``k``), ``cos`` and ``sin``, as the Hugging
 Face expression does; the kernels compute in fp32 and round once.
@@ -27,8 +30,12 @@ Face expression does; the kernels compute in fp32 and round once.
 Backward is the adjoint of the rotation (with duplicated cos/sin rows: the rotation by ``-sin``),
 one launch for ``dq`` and ``dk``. Saved for backward: ``cos`` and ``sin`` only (references to the
 caller's tensors, no copies). ``cos``/``sin`` get no gradient (``None``): they are derived from
-fixed frequencies and positions and are never trained. ``in_place_backward=True`` (opt-in) writes
-``dq``/``dk`` over the incoming gradients instead of new buffers.
+fixed frequencies and positions and are never trained; nor does ``k`` when ``k_embed`` is unused
+(likewise ``q``), as in eager PyTorch. ``overwrite_grad_output=True`` (opt-in, eager route only)
+writes ``dq``/``dk`` over the incoming gradients instead of new buffers.
+
+The launchers are the custom ops ``torch.ops.onca.rope_forward`` and ``rope_backward`` (see
+``onca/ops/_contract.py``); ``rotary_pos_emb`` validates and picks the layout.
 """
 
 from __future__ import annotations
@@ -39,12 +46,14 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
-from onca.ops._validate import check_float, check_nonempty, check_same_device
+from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._validate import check_bool, check_float, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
-__all__ = ["RopeTiles", "RotaryPosEmbFunction", "plan", "rotary_pos_emb", "tiles"]
+__all__ = ["RopeTiles", "plan", "rotary_pos_emb", "tiles"]
 
 # Live tiles of the kernel per element of a (tokens x heads x half-width) tile, as the planner
 # counts them: x1, x2 as loaded and y1, y2 as stored (input / output dtype); x1, x2, y1, y2 in fp32;
@@ -268,180 +277,258 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 # --------------------------------------------------------------------------------------- launchers
 
 
-def _bsh_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
-    """(batch, seq, head) strides of a q/k-shaped tensor in the given layout."""
+def _bshd(t: Tensor, heads_first: bool) -> tuple[int, int, int, int]:
+    """``(batch, seq, heads, head_dim)`` of a q/k-shaped tensor in its layout."""
+    b, s1, s2, d = t.shape
+    return (b, s2, s1, d) if heads_first else (b, s1, s2, d)
+
+
+def _bsh_strides(t: Tensor, heads_first: bool) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a q/k-shaped tensor in its layout."""
     sb, s1, s2, _ = t.stride()
-    return (sb, s2, s1) if unsqueeze_dim == 1 else (sb, s1, s2)  # (B, H, S, D) or (B, S, H, D)
+    return (sb, s2, s1) if heads_first else (sb, s1, s2)
 
 
-def _cs_strides(t: torch.Tensor) -> tuple[int, int]:
+def _cs_strides(t: Tensor) -> tuple[int, int]:
     """(batch, seq) strides of a cos/sin tensor; broadcast (size-1) dims read with stride 0."""
     return (t.stride(0) if t.shape[0] > 1 else 0), (t.stride(1) if t.shape[1] > 1 else 0)
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
+def _unit_last(t: Tensor) -> Tensor:
     """``t`` with a unit last-dim stride (the kernels read rows of each head as vectors)."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def _new_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new tensor with ``t``'s shape and, where ``t`` is dense, its memory layout."""
-    return torch.empty_like(t, dtype=dtype, memory_format=torch.preserve_format)
+def _output_like(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A new tensor for the kernel's result over ``t``: ``t``'s shape and, where ``t`` is dense, its
+    memory layout (the launchers and the fake implementations both allocate through here)."""
+    if t.stride(-1) == 1 or t.shape[-1] == 1:
+        return torch.empty_like(t, dtype=dtype, memory_format=torch.preserve_format)
+    return t.new_empty(t.shape, dtype=dtype)  # the kernel reads a contiguous copy of ``t``
 
 
-def _dense(t: torch.Tensor) -> bool:
+def _dense(t: Tensor) -> bool:
     """Whether ``t``'s elements fill its storage span exactly once (some permutation is contiguous)."""
     order = sorted(range(t.dim()), key=lambda i: t.stride(i), reverse=True)
     return t.permute(order).is_contiguous()
 
 
-def _reusable(grad: torch.Tensor | None, dtype: torch.dtype) -> bool:
+def _reusable(grad: Tensor, dtype: torch.dtype) -> bool:
     """Whether the kernel may write its result over ``grad`` (same dtype, unit last-dim stride,
     no element stored twice)."""
-    return grad is not None and grad.dtype == dtype and grad.stride(-1) == 1 and _dense(grad)
+    return grad.dtype == dtype and grad.stride(-1) == 1 and _dense(grad)
 
 
-def rope_apply(xq, xk, cos, sin, yq_dtype, yk_dtype, unsqueeze_dim: int, backward: bool,
-               yq=None, yk=None):
-    """Launch the kernel once for ``q`` and ``k`` (or ``dq_embed`` and ``dk_embed`` when
-    ``backward``); returns the results: new tensors, or ``yq``/``yk`` where given (``yq is xq``
-    computes in place: every element is loaded before its own store)."""
+def _promoted(x: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
+    """The dtype of ``x * cos + rotate_half(x) * sin`` in PyTorch."""
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+
+
+def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: Tensor, yk: Tensor,
+            heads_first: bool, backward: bool) -> None:
+    """One launch over ``q`` and ``k`` (or, when ``backward``, their outputs' gradients), writing
+    ``yq``/``yk``; ``yq is xq`` computes in place (every element is loaded before its own store).
+    An absent side (``None``: a gradient that never came) is skipped as a side with no heads."""
+    present = xq if xq is not None else xk
+    batch, seq, _, head_dim = _bshd(present, heads_first)
+    hq = 0 if xq is None else _bshd(xq, heads_first)[2]
+    hk = 0 if xk is None else _bshd(xk, heads_first)[2]
+    if batch * seq == 0 or hq + hk == 0:
+        return  # nothing to rotate: never a zero-size grid
+    # The absent side's pointers stand in for nothing: with no heads the kernel never reads them.
+    xq, yq = (xq, yq) if xq is not None else (xk, yk)
+    xk, yk = (xk, yk) if xk is not None else (xq, yq)
     xq, xk, cos, sin = _unit_last(xq), _unit_last(xk), _unit_last(cos), _unit_last(sin)
-    yq = _new_like(xq, yq_dtype) if yq is None else yq
-    yk = _new_like(xk, yk_dtype) if yk is None else yk
-    if unsqueeze_dim == 1:
-        batch, hq, seq, d = xq.shape
-        hk = xk.shape[1]
-    else:
-        batch, seq, hq, d = xq.shape
-        hk = xk.shape[2]
-    rotary_dim = cos.shape[-1]
     dtype = _widest(xq.dtype, xk.dtype, yq.dtype, yk.dtype)
-    t = tiles(batch * seq, hq, hk, d, rotary_dim, dtype)
+    t = tiles(batch * seq, hq or hk, hk or hq, head_dim, cos.shape[-1], dtype)
     _rope_kernel[(t.plan.grid,)](
         xq, xk, yq, yk, cos, sin,
         batch * seq, seq, hq, hk,
-        *_bsh_strides(xq, unsqueeze_dim), *_bsh_strides(yq, unsqueeze_dim),
-        *_bsh_strides(xk, unsqueeze_dim), *_bsh_strides(yk, unsqueeze_dim),
+        *_bsh_strides(xq, heads_first), *_bsh_strides(yq, heads_first),
+        *_bsh_strides(xk, heads_first), *_bsh_strides(yk, heads_first),
         *_cs_strides(cos), *_cs_strides(sin),
         HALF=t.half, PASS=t.pass_cols, BACKWARD=backward,
         BLOCK_T=t.block_t, BLOCK_HQ=t.block_hq, BLOCK_HK=t.block_hk, BLOCK_J=t.block_j,
         BLOCK_P=t.block_p,
         num_warps=t.plan.num_warps,
     )
-    return yq, yk
+
+
+@custom_op("rope_forward")
+def rope_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, heads_first: bool,
+                 overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
+    """``(q_embed, k_embed)`` for 4-D ``q``/``k`` (``(B, H, S, D)`` when ``heads_first``, else
+    ``(B, S, H, D)``) and 3-D ``cos``/``sin``. ``overwrite_grad_output`` is the backward's (see
+    ``rotary_pos_emb``)."""
+    q_embed = _output_like(q, _promoted(q, cos, sin))
+    k_embed = _output_like(k, _promoted(k, cos, sin))
+    _launch(q, k, cos, sin, q_embed, k_embed, heads_first, backward=False)
+    return q_embed, k_embed
+
+
+@rope_forward.register_fake
+def _(q, k, cos, sin, heads_first, overwrite_grad_output):
+    return _output_like(q, _promoted(q, cos, sin)), _output_like(k, _promoted(k, cos, sin))
+
+
+def _gradient_buffer(grad: Tensor | None, dtype: torch.dtype, like: Tensor, overwrite: bool) -> Tensor:
+    """Where the gradient of an input goes: ``grad``'s own storage when ``overwrite`` and it can hold
+    the result, else a new tensor; an empty one when no gradient came for that output."""
+    if grad is None:
+        return like.new_empty(0, dtype=dtype)
+    return grad if overwrite and _reusable(grad, dtype) else _output_like(grad, dtype)
+
+
+@custom_op("rope_backward")
+def rope_backward(dq_embed: Tensor | None, dk_embed: Tensor | None, cos: Tensor, sin: Tensor,
+                  q_dtype: torch.dtype, k_dtype: torch.dtype, heads_first: bool,
+                  overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
+    """``(dq, dk)`` in ``q_dtype``/``k_dtype``; a gradient that did not come (``None``) gives an
+    empty result. With ``overwrite_grad_output`` (eager route only) ``dq``/``dk`` are written into
+    ``dq_embed``/``dk_embed``'s storage where dtype and layout allow."""
+    dq = _gradient_buffer(dq_embed, q_dtype, cos, overwrite_grad_output)
+    dk = _gradient_buffer(dk_embed, k_dtype, cos, overwrite_grad_output)
+    _launch(dq_embed, dk_embed, cos, sin, dq, dk, heads_first, backward=True)
+    return dq, dk
+
+
+@rope_backward.register_fake
+def _(dq_embed, dk_embed, cos, sin, q_dtype, k_dtype, heads_first, overwrite_grad_output):
+    return (_gradient_buffer(dq_embed, q_dtype, cos, False),
+            _gradient_buffer(dk_embed, k_dtype, cos, False))
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
-class RotaryPosEmbFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves ``cos`` and ``sin`` (the caller's tensors, not copies); ``q`` and
-    ``k`` are not needed by the backward pass. ``cos`` and ``sin`` get no gradient.
-
-    ``in_place_backward=True`` writes ``dq``/``dk`` over the incoming gradients of ``q_embed``/
-    ``k_embed`` where their dtype and layout allow (saves one q+k-sized buffer; liger-kernel always
-    does this). Only safe when nothing else reads those gradients afterwards: not when ``q_embed``
-    feeds a node (e.g. an addition) whose gradient tensor is shared with another branch.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim, in_place_backward=False):
-        unsqueeze_dim = _validate(q, k, cos, sin, unsqueeze_dim)
-        if not isinstance(in_place_backward, bool):
-            raise TypeError(f"in_place_backward must be a bool, got {type(in_place_backward).__name__}")
-        q_dtype = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
-        k_dtype = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
-        q_embed, k_embed = rope_apply(q, k, cos, sin, q_dtype, k_dtype, unsqueeze_dim, backward=False)
-        ctx.save_for_backward(cos, sin)
-        ctx.set_materialize_grads(False)
-        ctx.unsqueeze_dim, ctx.q_dtype, ctx.k_dtype = unsqueeze_dim, q.dtype, k.dtype
-        ctx.in_place = in_place_backward
-        ctx.out_meta = ((q_embed.shape, q_dtype), (k_embed.shape, k_dtype))
-        return q_embed, k_embed
-
-    @staticmethod
-    def backward(ctx, dq_embed, dk_embed):
-        if dq_embed is None and dk_embed is None:
-            return None, None, None, None, None, None
-        cos, sin = ctx.saved_tensors
-        grads = [dq_embed, dk_embed]
-        for i, (shape, dtype) in enumerate(ctx.out_meta):
-            if grads[i] is None:  # that output was not used: its input gets no gradient (as in eager)
-                grads[i] = torch.zeros(shape, dtype=dtype, device=cos.device)
-        outs = [None, None]
-        if ctx.in_place:
-            for i, dtype in enumerate((ctx.q_dtype, ctx.k_dtype)):
-                if _reusable(grads[i], dtype):
-                    outs[i] = grads[i]
-        dq, dk = rope_apply(grads[0], grads[1], cos, sin, ctx.q_dtype, ctx.k_dtype, ctx.unsqueeze_dim,
-                            backward=True, yq=outs[0], yk=outs[1])
-        dq = dq if ctx.needs_input_grad[0] and dq_embed is not None else None
-        dk = dk if ctx.needs_input_grad[1] and dk_embed is not None else None
-        return dq, dk, None, None, None, None
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, heads_first, overwrite_grad_output = inputs
+    ctx.save_for_backward(cos, sin)
+    # An unused output gets no gradient, and then neither does its input (as in eager PyTorch).
+    ctx.set_materialize_grads(False)
+    ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
+    ctx.heads_first, ctx.overwrite_grad_output = heads_first, overwrite_grad_output
 
 
-_LAYOUTS = {1: "(batch, heads, seq, head_dim)", 2: "(batch, seq, heads, head_dim)"}
+def _backward(ctx, dq_embed, dk_embed):
+    dq_embed = dq_embed if ctx.needs_input_grad[0] else None
+    dk_embed = dk_embed if ctx.needs_input_grad[1] else None
+    if dq_embed is None and dk_embed is None:
+        return None, None, None, None, None, None
+    cos, sin = ctx.saved_tensors
+    overwrite = ctx.overwrite_grad_output and not tracing(dq_embed, dk_embed)
+    dq, dk = rope_backward(dq_embed, dk_embed, cos, sin, ctx.q_dtype, ctx.k_dtype, ctx.heads_first,
+                           overwrite)
+    return (None if dq_embed is None else dq), (None if dk_embed is None else dk), None, None, None, None
 
 
-def _validate(q, k, cos, sin, unsqueeze_dim) -> int:
+register_autograd(rope_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+_LAYOUTS = {True: "(batch, heads, seq, head_dim)", False: "(batch, seq, heads, head_dim)"}
+_COS_LAYOUTS = {2: "(seq, rotary_dim)", 3: "(1 or batch, seq, rotary_dim)"}
+
+
+def _heads_first(cos: Tensor, unsqueeze_dim) -> bool:
+    """The q/k layout that ``cos.unsqueeze(unsqueeze_dim)`` broadcasts against, as transformers'
+    ``apply_rotary_pos_emb`` uses it: a new dim before cos's seq dim stands for the heads of
+    ``(batch, heads, seq, head_dim)``, one after it for those of ``(batch, seq, heads, head_dim)``."""
+    before = cos.dim() - 2  # the unsqueeze_dim that puts the new dim just before seq
+    n = cos.dim() + 1
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
+        raise TypeError(f"unsqueeze_dim must be an int, got {type(unsqueeze_dim).__name__} {unsqueeze_dim!r}")
+    if not -n <= unsqueeze_dim < n or unsqueeze_dim % n not in (before, before + 1):
+        raise ValueError(
+            f"unsqueeze_dim must be {before} or {before - n} (q/k of shape {_LAYOUTS[True]}) or "
+            f"{before + 1} or {before + 1 - n} ({_LAYOUTS[False]}) for {cos.dim()}-D cos "
+            f"{_COS_LAYOUTS[cos.dim()]}, got {unsqueeze_dim!r}"
+        )
+    return unsqueeze_dim % n == before
+
+
+def _validate(q, k, cos, sin, unsqueeze_dim) -> bool:
+    """Checks every argument; returns whether ``q``/``k`` are ``(batch, heads, seq, head_dim)``."""
     for t, name in ((q, "q"), (k, "k"), (cos, "cos"), (sin, "sin")):
         check_float(t, name)
-    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in (1, 2, -3, -2):
-        raise ValueError(
-            f"unsqueeze_dim must be 1 (q/k of shape {_LAYOUTS[1]}) or 2 ({_LAYOUTS[2]}), got {unsqueeze_dim!r}"
-        )
-    unsqueeze_dim = unsqueeze_dim % 4  # -3 -> 1, -2 -> 2, as cos.unsqueeze(unsqueeze_dim) on 3-D cos
-    layout = _LAYOUTS[unsqueeze_dim]
+    if cos.dim() not in _COS_LAYOUTS:
+        raise ValueError(f"cos must be 2-D {_COS_LAYOUTS[2]} or 3-D {_COS_LAYOUTS[3]}, "
+                         f"got shape {tuple(cos.shape)}")
+    heads_first = _heads_first(cos, unsqueeze_dim)
+    layout = _LAYOUTS[heads_first]
     for t, name in ((q, "q"), (k, "k")):
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}, "
-                             f"got shape {tuple(t.shape)}")
-        check_nonempty(t, name)
-    for t, name in ((cos, "cos"), (sin, "sin")):
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (1 or batch, seq, rotary_dim), got shape {tuple(t.shape)}")
-        check_nonempty(t, name)
+            raise ValueError(f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim} and "
+                             f"{cos.dim()}-D cos, got shape {tuple(t.shape)}")
     for t, name in ((k, "k"), (cos, "cos"), (sin, "sin")):
         check_same_device(t, name, q, "q")
-    s_dim = 2 if unsqueeze_dim == 1 else 1
-    batch, seq, head_dim = q.shape[0], q.shape[s_dim], q.shape[3]
-    if k.shape[0] != batch or k.shape[s_dim] != seq or k.shape[3] != head_dim:
+    batch, seq, _, head_dim = _bshd(q, heads_first)
+    k_batch, k_seq, _, k_head_dim = _bshd(k, heads_first)
+    if (k_batch, k_seq, k_head_dim) != (batch, seq, head_dim):
         raise ValueError(
             f"k must match q's batch, seq and head_dim in the {layout} layout: q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}"
         )
     if sin.shape != cos.shape:
         raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
-    if cos.shape[0] not in (1, batch) or cos.shape[1] not in (1, seq):
+    cos_batch = cos.shape[0] if cos.dim() == 3 else 1
+    if cos_batch not in (1, batch) or cos.shape[-2] not in (1, seq):
         raise ValueError(
-            f"cos must have shape (1 or batch={batch}, seq={seq}, rotary_dim) for q {tuple(q.shape)} "
-            f"in the {layout} layout, got {tuple(cos.shape)}"
+            f"cos must have shape {_COS_LAYOUTS[cos.dim()]} with batch {batch} and seq {seq} for q "
+            f"{tuple(q.shape)} in the {layout} layout, got {tuple(cos.shape)}"
         )
-    rotary_dim = cos.shape[2]
-    if rotary_dim % 2 or rotary_dim > head_dim:
+    rotary_dim = cos.shape[-1]
+    if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
         raise ValueError(
-            f"cos's last dimension (the rotary dim) must be even and at most head_dim={head_dim}, "
+            f"cos's last dimension (the rotary dim) must be even and in [2, head_dim={head_dim}], "
             f"got {rotary_dim}"
         )
-    return unsqueeze_dim
+    return heads_first
 
 
-def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, in_place_backward=False):
-    """``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``: see the module docstring.
+def _unsqueeze_dim(position_ids, unsqueeze_dim):
+    """``unsqueeze_dim`` from the arguments of either transformers version (see ``rotary_pos_emb``)."""
+    if position_ids is None or isinstance(position_ids, torch.Tensor):
+        return unsqueeze_dim
+    if isinstance(position_ids, int) and not isinstance(position_ids, bool) and unsqueeze_dim == 1:
+        return position_ids
+    raise TypeError(
+        "position_ids must be a torch.Tensor or None (it is unused; cos and sin carry the "
+        f"positions), got {type(position_ids).__name__}; pass unsqueeze_dim by keyword"
+    )
 
-    ``position_ids`` is accepted and ignored, as in transformers' ``apply_rotary_pos_emb`` (4.x took
-    it and did not use it; ``cos``/``sin`` are already gathered for the positions). Transformers 5
-    dropped the argument, so its fifth positional argument is ``unsqueeze_dim``: an ``int`` passed
-    here as ``position_ids`` is taken as ``unsqueeze_dim``, so calls written for either version work.
-    ``in_place_backward``: see ``RotaryPosEmbFunction``.
+
+def rotary_pos_emb(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    position_ids: Tensor | None = None,
+    unsqueeze_dim: int = 1,
+    overwrite_grad_output: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding of ``q`` and ``k`` in one launch: a drop-in for transformers'
+    ``apply_rotary_pos_emb`` (Llama, Qwen, Mistral, ...; Phi-3 style partial rotary included).
+
+    Returns ``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` on the first
+    ``rotary_dim = cos.shape[-1]`` dims of each head, the rest passed through unchanged. ``q``/``k``
+    are 4-D, ``k`` with as many or fewer heads (GQA), and broadcast against
+    ``cos.unsqueeze(unsqueeze_dim)`` as in transformers: with ``cos``/``sin`` of shape
+    ``(1 or batch, seq, rotary_dim)``, ``unsqueeze_dim=1`` takes ``(batch, heads, seq, head_dim)``
+    and ``2`` takes ``(batch, seq, heads, head_dim)``; with the vision towers' ``(seq, rotary_dim)``,
+    ``0`` takes ``(batch, heads, seq, head_dim)`` and ``1`` takes ``(batch, seq, heads, head_dim)``
+    (negative dims as in ``unsqueeze``). Strided views (e.g. transposed projections) are read in
+    place; no tokens is fine. The results are new tensors in the inputs' layout and promoted dtype;
+    ``cos``/``sin`` get no gradient. ``position_ids`` is ignored, as in transformers (an ``int``
+    there is taken as transformers 5's positional ``unsqueeze_dim``).
+    ``overwrite_grad_output=True`` lets the backward pass write ``dq``/``dk`` into the storage of
+    the gradients that arrive for ``q_embed``/``k_embed`` (saves memory; only when nothing else
+    reads those gradients; eager only: compiled graphs manage their own buffers).
     """
-    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
-        if isinstance(position_ids, int) and not isinstance(position_ids, bool) and unsqueeze_dim == 1:
-            unsqueeze_dim = position_ids
-        else:
-            raise TypeError(
-                "position_ids must be a torch.Tensor or None (it is unused; cos and sin carry the "
-                f"positions), got {type(position_ids).__name__}; pass unsqueeze_dim by keyword"
-            )
-    return RotaryPosEmbFunction.apply(q, k, cos, sin, unsqueeze_dim, in_place_backward)
+    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
+    heads_first = _validate(q, k, cos, sin, unsqueeze_dim)
+    check_bool(overwrite_grad_output, "overwrite_grad_output")
+    if cos.dim() == 2:  # one (seq, rotary_dim) table for every sequence of the batch
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    return rope_forward(q, k, cos, sin, heads_first, overwrite_grad_output)
