@@ -182,6 +182,9 @@ def test_bad_configs():
         onca.nn.SwiGLUMLP(transformers.LlamaConfig(**SIZES), gate_multiplier="0.5")
     with pytest.raises(ValueError, match="intermediate_size"):
         onca.nn.SwiGLUMLP(transformers.LlamaConfig(**SIZES), intermediate_size=0)
+    gate = torch.ones(2, 8)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        onca.nn.mlp.gated_mlp_tail(gate, gate, torch.nn.Linear(8, 4), "relu")
 
 
 @pytest.mark.parametrize("recompute", [True, False])

@@ -77,6 +77,8 @@ def gated_mlp_tail(gate: torch.Tensor, up: torch.Tensor | None, down_proj: nn.Mo
     plain path with Onca's activation kernel. ``overwrite_inputs``: write the gradients over
     ``gate``/``up`` (for callers that own them, as the modules here and ``onca.apply``'s forwards).
     """
+    if activation not in _FORWARD_OPS:
+        raise ValueError(f"activation must be one of {sorted(_FORWARD_OPS)}, got {activation!r}")
     gated_op, linear_op = _FORWARD_OPS[activation]
     plain = (recompute and type(down_proj) is nn.Linear
              and not down_proj._forward_hooks and not down_proj._forward_pre_hooks)
