@@ -256,15 +256,15 @@ def _input_gradients(gate: Tensor, up: Tensor | None, overwrite_inputs: bool):
     if overwrite_inputs:
         d_gate, d_up = gate, up
     else:
-        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        d_up = None if up is None else torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        d_gate = gate.new_empty(gate.shape)
+        d_up = None if up is None else up.new_empty(up.shape)
     da, db = _halves(d_gate, d_up)
     return d_gate, (gate.new_empty(0) if d_up is None else d_up), da, db
 
 
 def _fake_input_gradients(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(gate, memory_format=torch.contiguous_format), (
-        gate.new_empty(0) if up is None else torch.empty_like(up, memory_format=torch.contiguous_format))
+    """The shapes of ``_input_gradients``' new tensors (``overwrite_inputs`` is eager only)."""
+    return gate.new_empty(gate.shape), gate.new_empty(0) if up is None else up.new_empty(up.shape)
 
 
 def _in_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -386,8 +386,7 @@ def register_gated_linear(name: str) -> tuple[Op, Op]:
     @backward.register_fake
     def _(dout, gate, up, weight, bias, activation, gate_multiplier, down_multiplier, overwrite_inputs,
           weight_grad, bias_grad):
-        d_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if weight_grad \
-            else weight.new_empty(0)
+        d_weight = weight.new_empty(weight.shape if weight_grad else 0)
         d_bias = bias.new_empty(bias.shape) if bias is not None and bias_grad else weight.new_empty(0)
         return (*_fake_input_gradients(gate, up), d_weight, d_bias)
 
