@@ -7,11 +7,13 @@ import pytest
 import torch
 
 import onca
+from tests.contract import assert_compiles_like_eager
 from tests.helpers import SCALE, assert_close, randn
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma.modeling_gemma import GemmaMLP  # noqa: E402
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP  # noqa: E402
+from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP  # noqa: E402
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 from transformers.models.mistral.modeling_mistral import MistralMLP  # noqa: E402
@@ -83,9 +85,9 @@ def test_matches_hugging_face_module(device, case, dtype):
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[8]], ids=["llama", "phi3", "gemma2-erf"])
-@pytest.mark.parametrize("recompute,in_place", [(False, True), (False, False), (True, False)])
-def test_every_path_matches(device, case, recompute, in_place):
-    hf, ours = _pair(case, torch.bfloat16, device, recompute=recompute, in_place=in_place)
+@pytest.mark.parametrize("recompute,overwrite_inputs", [(False, True), (False, False), (True, False)])
+def test_every_path_matches(device, case, recompute, overwrite_inputs):
+    hf, ours = _pair(case, torch.bfloat16, device, recompute=recompute, overwrite_inputs=overwrite_inputs)
     _compare(hf, ours, torch.bfloat16, device)
 
 
@@ -117,14 +119,15 @@ def test_keeps_two_intermediate_tensors(device, case):
     assert sum(storages.values()) == (x.numel() + 2 * tokens * INTER) * 4, storages
 
 
-def test_in_place_refuses_a_second_backward(device):
-    _, ours = _pair(CASES[0], torch.float32, device)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_overwrite_inputs_refuses_a_second_backward(device, recompute):
+    _, ours = _pair(CASES[0], torch.float32, device, recompute=recompute)
     x = randn(*SHAPE, device=device, requires_grad=True)
     y = ours(x).sum()
     y.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="in_place=False"):
+    with pytest.raises(RuntimeError, match="overwrite_inputs=False"):
         y.backward()
-    _, safe = _pair(CASES[0], torch.float32, device, in_place=False)
+    _, safe = _pair(CASES[0], torch.float32, device, recompute=recompute, overwrite_inputs=False)
     y = safe(x).sum()
     y.backward(retain_graph=True)
     y.backward()
@@ -171,7 +174,36 @@ def test_bad_configs():
         onca.nn.GeGLUMLP(transformers.LlamaConfig(**SIZES))
     with pytest.raises(ValueError, match="approximate"):
         onca.nn.GeGLUMLP(transformers.GemmaConfig(**SIZES), approximate="fast")
-    with pytest.raises(TypeError, match="recompute and in_place"):
+    with pytest.raises(TypeError, match="recompute must be a bool"):
         onca.nn.SwiGLUMLP(transformers.LlamaConfig(**SIZES), recompute=1)
+    with pytest.raises(TypeError, match="overwrite_inputs must be a bool"):
+        onca.nn.GeGLUMLP(transformers.GemmaConfig(**SIZES), overwrite_inputs="yes")
+    with pytest.raises(TypeError, match="gate_multiplier must be a number"):
+        onca.nn.SwiGLUMLP(transformers.LlamaConfig(**SIZES), gate_multiplier="0.5")
     with pytest.raises(ValueError, match="intermediate_size"):
         onca.nn.SwiGLUMLP(transformers.LlamaConfig(**SIZES), intermediate_size=0)
+    gate = torch.ones(2, 8)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        onca.nn.mlp.gated_mlp_tail(gate, gate, torch.nn.Linear(8, 4), "relu")
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_falcon_h1_multipliers(device, recompute, dtype):
+    """Falcon-H1's ``mlp_multipliers``: ``down_proj(silu(gate_proj(x) * m_gate) * up_proj(x)) * m_down``."""
+    multipliers = (0.6, 1.7)
+    make_config = lambda: transformers.FalconH1Config(mlp_bias=True, mlp_multipliers=list(multipliers),  # noqa: E731
+                                                      **SIZES)
+    case = ("falcon_h1", make_config, FalconH1MLP, onca.nn.SwiGLUMLP)
+    hf, ours = _pair(case, dtype, device, recompute=recompute, gate_multiplier=multipliers[0],
+                     down_multiplier=multipliers[1])
+    assert "gate_multiplier=0.6, down_multiplier=1.7" in repr(ours)
+    _compare(hf, ours, dtype, device)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=["llama", "phi3"])
+def test_compiles_like_eager(device, case):
+    """``torch.compile(fullgraph=True)`` traces the module (no graph break), equal to eager."""
+    _, ours = _pair(case, torch.float32, device)
+    x = randn(*SHAPE, device=device, requires_grad=True)
+    assert_compiles_like_eager(ours, (x,))

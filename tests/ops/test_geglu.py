@@ -9,6 +9,7 @@ import torch
 
 from onca.ops import geglu as op
 from onca.ops.geglu import geglu, geglu_linear
+from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, leaf, randn
 from tests.ops.test_swiglu import BASE_SHAPE, HIDDEN, check, check_linear
 
@@ -52,7 +53,7 @@ def test_public_function_and_fused_layout(device, approximate):
     dc = randn(*a.shape, dtype=torch.bfloat16, device=device)
     c0 = geglu(ak, bk, approximate)
     c1 = geglu(g1, None, approximate)
-    c2 = geglu(g2, None, approximate, in_place=True)
+    c2 = geglu(g2, None, approximate, overwrite_inputs=True)
     assert torch.equal(c0, c1) and torch.equal(c1, c2)
     expected = torch.cat(torch.autograd.grad(c0, (ak, bk), dc), dim=-1)
     (d1,) = torch.autograd.grad(c1, (g1,), dc)
@@ -79,7 +80,7 @@ def test_linear_matches_reference(device, approximate):
     b = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     w = randn(HIDDEN, BASE_SHAPE[-1], dtype=torch.bfloat16, device=device, std=0.05)
     bias = randn(HIDDEN, dtype=torch.bfloat16, device=device)
-    check_linear(a, b, w, bias, FORMS[approximate], in_place=True)
+    check_linear(a, b, w, bias, FORMS[approximate], overwrite_inputs=True)
 
 
 def test_bad_input(device):
@@ -92,3 +93,30 @@ def test_bad_input(device):
         geglu(a, b.to(torch.float16))
     with pytest.raises(ValueError, match="b must have a's shape"):
         geglu(a, randn(4, 65, device=device))
+    with pytest.raises(TypeError, match="overwrite_inputs must be a bool"):
+        geglu(a, b, overwrite_inputs=None)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
+def test_empty_input_as_torch(device, shape):
+    """No tokens: empty outputs and gradients; the tail's weight and bias gradients zero."""
+    a, b = leaf(randn(*shape, device=device)), leaf(randn(*shape, device=device))
+    c = geglu(a, b, "none")
+    c.sum().backward()
+    assert c.shape == shape and a.grad.shape == shape and b.grad.shape == shape
+    w, bias = leaf(randn(8, 64, device=device)), leaf(randn(8, device=device))
+    out = geglu_linear(a.detach(), b.detach(), w, bias)
+    assert out.shape == (*shape[:-1], 8)
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(bias.grad, torch.zeros_like(bias))
+
+
+@pytest.mark.parametrize("approximate,overwrite_inputs", [("tanh", True), ("none", False)])
+def test_op_contract(device, approximate, overwrite_inputs):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation."""
+    gate_up = randn(2, 3, 96, dtype=torch.bfloat16, device=device, std=2.0).requires_grad_()
+    w = randn(16, 48, dtype=torch.bfloat16, device=device, std=0.1).requires_grad_()
+    gated = lambda g: geglu(*(g * 1).chunk(2, -1), approximate, overwrite_inputs)  # noqa: E731
+    linear = lambda g, w: geglu_linear(g * 1, None, w, None, approximate, overwrite_inputs)  # noqa: E731
+    assert_op_contract(gated, (gate_up,), expect_ops={"geglu_forward", "geglu_backward"})
+    assert_op_contract(linear, (gate_up, w), expect_ops={"geglu_linear_forward", "geglu_linear_backward"})

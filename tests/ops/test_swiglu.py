@@ -9,7 +9,10 @@ import torch.nn.functional as F
 
 from onca.ops import _glu
 from onca.ops import swiglu as op
-from onca.ops.swiglu import swiglu, swiglu_linear
+from onca.ops._rows import as_rows
+from onca.ops.geglu import geglu_forward, geglu_linear_forward
+from onca.ops.swiglu import swiglu, swiglu_forward, swiglu_linear, swiglu_linear_forward
+from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, non_contiguous, randn, rounded
 
 SHAPES = {
@@ -26,14 +29,24 @@ ACTS = {
 }
 
 
-def reference(a, b, activation="silu"):
-    """``act(a) * b`` in float64, with ``act(a)`` rounded to the input dtype as the model stores it
-    (the rounding is transparent to the gradient: the kernel differentiates the activation)."""
+# The forward op of each activation: the gated product and the MLP tail.
+GATED_OPS = {"silu": swiglu_forward, "gelu_tanh": geglu_forward, "gelu": geglu_forward}
+LINEAR_OPS = {"silu": swiglu_linear_forward, "gelu_tanh": geglu_linear_forward, "gelu": geglu_linear_forward}
+
+
+def _round(t, dtype):
+    """``t`` rounded to ``dtype`` in value, the rounding transparent to the gradient."""
+    return t + (rounded(t, dtype) - t).detach()
+
+
+def reference(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0):
+    """``act(a * gate_multiplier) * b * down_multiplier`` in float64, with the scaled gate and
+    ``act(...)`` rounded to the input dtype as the model stores them (the rounding is transparent to
+    the gradient: the kernel differentiates the activation)."""
     a64 = a.detach().to(torch.float64).requires_grad_(True)
     b64 = b.detach().to(torch.float64).requires_grad_(True)
-    h = ACTS[activation](a64)
-    h = h + (rounded(h, a.dtype) - h).detach()
-    return h * b64, a64, b64
+    h = _round(ACTS[activation](_round(a64 * gate_multiplier, a.dtype)), a.dtype)
+    return h * b64 * down_multiplier, a64, b64
 
 
 def layout_leaf(t):
@@ -45,17 +58,18 @@ def layout_leaf(t):
     return out.requires_grad_(True)
 
 
-def run_op(a, b, activation, in_place=False, guard=False):
-    return _glu.glu(a, b, activation, in_place, guard)
+def run_op(a, b, activation, overwrite_inputs=False, gate_multiplier=1.0, down_multiplier=1.0):
+    return _glu.gated(GATED_OPS[activation], a, b, activation, gate_multiplier, down_multiplier,
+                      overwrite_inputs)
 
 
-def check(a, b, activation="silu", in_place=False):
+def check(a, b, activation="silu", overwrite_inputs=False, gate_multiplier=1.0, down_multiplier=1.0):
     """Kernel vs reference, forward and backward (``dc`` random); returns the kernel's grads."""
     ak, bk = layout_leaf(a), layout_leaf(b)
     assert ak.stride() == a.stride() and bk.stride() == b.stride()
-    c = run_op(ak, bk, activation, in_place)
+    c = run_op(ak, bk, activation, overwrite_inputs, gate_multiplier, down_multiplier)
     assert c.dtype == a.dtype and c.shape == a.shape
-    ref, a64, b64 = reference(a, b, activation)
+    ref, a64, b64 = reference(a, b, activation, gate_multiplier, down_multiplier)
     assert_close(c, ref, a.dtype, "c")
     dc = randn(*a.shape, dtype=a.dtype, device=a.device)
     c.backward(dc)
@@ -109,7 +123,7 @@ def test_fused_gate_up_halves_without_copy(profile, device, dtype):
     inter = BASE_SHAPE[-1]
     gate_up = randn(*BASE_SHAPE[:-1], 2 * inter, dtype=dtype, device=device, std=2.0)
     a, b = gate_up.chunk(2, dim=-1)
-    a2d, b2d, _ = _glu._split(a, b)
+    a2d, b2d = as_rows(a), as_rows(b)
     assert a2d.data_ptr() == a.data_ptr() and b2d.data_ptr() == b.data_ptr(), "the views were copied"
     assert a2d.stride(0) == 2 * inter
     check(a, b)
@@ -130,10 +144,11 @@ def test_non_contiguous_input(device, how):
     # b: rows 3x as far apart as they are wide, so a's and b's row strides always differ
     b = torch.empty(*BASE_SHAPE[:-1], 3 * BASE_SHAPE[-1], device=device)[..., 5:5 + BASE_SHAPE[-1]]
     b.copy_(randn(*BASE_SHAPE, device=device))
-    assert _glu._as_rows(a).stride(0) != _glu._as_rows(b).stride(0)
+    assert as_rows(a).stride(0) != as_rows(b).stride(0)
     check(a, b)
     check(a.transpose(0, 1), b.transpose(0, 1))  # leading dims that do not merge: copied
-    check_linear(a, b, randn(HIDDEN, BASE_SHAPE[-1], device=device, std=0.05), None, "silu", in_place=True)
+    check_linear(a, b, randn(HIDDEN, BASE_SHAPE[-1], device=device, std=0.05), None, "silu",
+                 overwrite_inputs=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -149,30 +164,26 @@ def test_column_tiled_path(profile, device, onchip_bytes, dtype):
     check(a, b)
     if dtype == torch.bfloat16:
         w = randn(HIDDEN, cols, dtype=dtype, device=device, std=0.05)
-        check_linear(a, b, w, None, "silu", in_place=True)
+        check_linear(a, b, w, None, "silu", overwrite_inputs=True)
 
 
-def test_in_place_backward_overwrites_a_and_b(device):
+def test_overwrite_inputs_writes_the_gradients_over_a_and_b(device):
     a = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device, std=2.0)
     b = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     dc = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     a1, b1 = leaf(a), leaf(b)
     expected = torch.autograd.grad(swiglu(a1, b1), (a1, b1), dc)
     a2, b2 = leaf(a), leaf(b)
-    out = swiglu(a2, b2, in_place=True)
+    out = swiglu(a2, b2, overwrite_inputs=True)
     da, db = torch.autograd.grad(out, (a2, b2), dc, retain_graph=True)
     assert da.data_ptr() == a2.data_ptr() and db.data_ptr() == b2.data_ptr()
     assert torch.equal(da, expected[0]) and torch.equal(db, expected[1])
-    # The bare op lets a benchmark backward again (on overwritten values); a guarded one refuses.
-    torch.autograd.grad(out, (a2, b2), dc, retain_graph=True)
-    a3, b3 = leaf(a), leaf(b)
-    guarded = swiglu(a3, b3, in_place=True, guard=True)
-    torch.autograd.grad(guarded, (a3, b3), dc, retain_graph=True)
-    with pytest.raises(RuntimeError, match="retain_graph"):
-        torch.autograd.grad(guarded, (a3, b3), dc)
+    # A second backward would read the gradients as the saved inputs: refused, not wrong.
+    with pytest.raises(RuntimeError, match=r"retain_graph=True\), use overwrite_inputs=False"):
+        torch.autograd.grad(out, (a2, b2), dc)
     # Fused: the gradient is the fused buffer itself.
     g = leaf(torch.cat([a, b], dim=-1))
-    (dg,) = torch.autograd.grad(swiglu(g, None, in_place=True), (g,), dc)
+    (dg,) = torch.autograd.grad(swiglu(g, None, overwrite_inputs=True), (g,), dc)
     assert dg.data_ptr() == g.data_ptr()
     assert torch.equal(dg, torch.cat(expected, dim=-1))
 
@@ -203,25 +214,28 @@ def test_does_not_modify_caller_tensors(device):
 # ------------------------------------------------------------------------------- the MLP tail
 
 
-def linear_reference(a, b, w, bias, activation):
-    c, a64, b64 = reference(a, b, activation)
+def linear_reference(a, b, w, bias, activation, gate_multiplier=1.0, down_multiplier=1.0):
+    """Falcon-H1's ``down_proj(act(gate * m_gate) * up) * m_down`` in float64."""
+    c, a64, b64 = reference(a, b, activation, gate_multiplier)
     w64 = w.detach().to(torch.float64).requires_grad_(True)
     bias64 = bias.detach().to(torch.float64).requires_grad_(True) if bias is not None else None
     # The product is rounded to the input dtype before the matmul, as nn.Linear receives it.
-    c = c + (rounded(c, a.dtype) - c).detach()
-    return F.linear(c, w64, bias64), a64, b64, w64, bias64
+    return F.linear(_round(c, a.dtype), w64, bias64) * down_multiplier, a64, b64, w64, bias64
 
 
-def check_linear(a, b, w, bias, activation, in_place=False, fused=False):
+def check_linear(a, b, w, bias, activation, overwrite_inputs=False, fused=False, gate_multiplier=1.0,
+                 down_multiplier=1.0):
     ak, bk = layout_leaf(a), layout_leaf(b)
     wk = leaf(w)
     biask = leaf(bias) if bias is not None else None
+    options = (activation, gate_multiplier, down_multiplier, overwrite_inputs)
     if fused:
         gk = leaf(torch.cat([a, b], dim=-1))
-        out = _glu.glu_linear(gk, None, wk, biask, activation, in_place)
+        out = _glu.gated_linear(LINEAR_OPS[activation], gk, None, wk, biask, *options)
     else:
-        out = _glu.glu_linear(ak, bk, wk, biask, activation, in_place)
-    ref, a64, b64, w64, bias64 = linear_reference(a, b, w, bias, activation)
+        out = _glu.gated_linear(LINEAR_OPS[activation], ak, bk, wk, biask, *options)
+    ref, a64, b64, w64, bias64 = linear_reference(a, b, w, bias, activation, gate_multiplier,
+                                                  down_multiplier)
     assert out.dtype == a.dtype and out.shape == ref.shape
     assert_close(out, ref, a.dtype, "out")
     dout = randn(*ref.shape, dtype=a.dtype, device=a.device)
@@ -238,15 +252,15 @@ def check_linear(a, b, w, bias, activation, in_place=False, fused=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("in_place,fused,bias", [
+@pytest.mark.parametrize("overwrite_inputs,fused,bias", [
     (True, False, False), (False, True, True), (True, True, True), (False, False, True),
 ])
-def test_linear_matches_reference(device, dtype, in_place, fused, bias):
+def test_linear_matches_reference(device, dtype, overwrite_inputs, fused, bias):
     a = randn(*BASE_SHAPE, dtype=dtype, device=device, std=2.0)
     b = randn(*BASE_SHAPE, dtype=dtype, device=device)
     w = randn(HIDDEN, BASE_SHAPE[-1], dtype=dtype, device=device, std=0.05)
     bias_t = randn(HIDDEN, dtype=dtype, device=device) if bias else None
-    check_linear(a, b, w, bias_t, "silu", in_place, fused)
+    check_linear(a, b, w, bias_t, "silu", overwrite_inputs, fused)
 
 
 def test_linear_keeps_no_product(device):
@@ -261,14 +275,14 @@ def test_linear_keeps_no_product(device):
     assert [t.data_ptr() for t in saved] == expected, [t.shape for t in saved]
 
 
-def test_linear_in_place_refuses_second_backward(device):
+def test_linear_overwrite_inputs_refuses_second_backward(device):
     a, b = leaf(randn(3, 40, device=device)), leaf(randn(3, 40, device=device))
     w = leaf(randn(8, 40, device=device))
-    out = swiglu_linear(a, b, w, in_place=True)
+    out = swiglu_linear(a, b, w, overwrite_inputs=True)
     out.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="in_place=False"):
+    with pytest.raises(RuntimeError, match="overwrite_inputs=False"):
         out.sum().backward()
-    out = swiglu_linear(leaf(a), leaf(b), w, in_place=False)
+    out = swiglu_linear(leaf(a), leaf(b), w, overwrite_inputs=False)
     out.sum().backward(retain_graph=True)
     out.sum().backward()
 
@@ -311,16 +325,22 @@ def test_bad_input(device):
         swiglu(a, randn(4, 32, device=device))
     with pytest.raises(ValueError, match="b is on meta"):
         swiglu(a, torch.empty(4, 64, device="meta"))
-    with pytest.raises(ValueError, match="a is empty"):
-        swiglu(randn(0, 64, device=device), randn(0, 64, device=device))
     with pytest.raises(ValueError, match="even last dimension"):
         swiglu(randn(4, 63, device=device))
     with pytest.raises(ValueError, match="a and b in separate memory"):
-        swiglu(a, a, in_place=True)
-    with pytest.raises(TypeError, match="in_place must be a bool"):
-        swiglu(a, b, in_place="yes")
+        swiglu(a, a, overwrite_inputs=True)
+    with pytest.raises(TypeError, match="overwrite_inputs must be a bool"):
+        swiglu(a, b, overwrite_inputs="yes")
+    with pytest.raises(TypeError, match="overwrite_inputs must be a bool"):
+        swiglu_linear(a, b, w, overwrite_inputs=1)
+    with pytest.raises(TypeError, match="gate_multiplier must be a number"):
+        swiglu(a, b, gate_multiplier="2")
+    with pytest.raises(TypeError, match="gate_multiplier must be a number"):
+        swiglu_linear(a, b, w, gate_multiplier=torch.tensor(2.0))
+    with pytest.raises(ValueError, match="down_multiplier must be a number"):
+        swiglu(a, b, down_multiplier=float("nan"))
     with pytest.raises(ValueError, match="activation must be one of"):
-        _glu.glu(a, b, "relu")
+        _glu.gated(swiglu_forward, a, b, "relu", 1.0, 1.0, False)
     with pytest.raises(ValueError, match=r"weight must be 2-D \(out_features, 64\)"):
         swiglu_linear(a, b, randn(16, 32, device=device))
     with pytest.raises(ValueError, match="bias must have shape"):
@@ -338,3 +358,86 @@ def test_plan_keys_and_gpu_tiles():
     assert set(plans) == {"forward", "backward", "product_backward"}
     for p in plans.values():
         assert p.block_cols * p.col_tiles >= 14336 and p.tile_bytes <= p.onchip_bytes
+
+
+# -------------------------------------------------------------------------------- multipliers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_multipliers_match_reference(device, dtype):
+    """Falcon-H1's gate and down multipliers: ``silu(a * m_gate) * b * m_down``, and the MLP tail
+    ``down_proj(silu(a * m_gate) * b) * m_down`` with its bias, fused layout included."""
+    a = randn(*BASE_SHAPE, dtype=dtype, device=device, std=2.0)
+    b = randn(*BASE_SHAPE, dtype=dtype, device=device)
+    check(a, b, gate_multiplier=0.37, down_multiplier=2.5)
+    w = randn(HIDDEN, BASE_SHAPE[-1], dtype=dtype, device=device, std=0.05)
+    bias = randn(HIDDEN, dtype=dtype, device=device)
+    check_linear(a, b, w, bias, "silu", gate_multiplier=0.37, down_multiplier=2.5)
+    check_linear(a, b, w, bias, "silu", fused=True, overwrite_inputs=True, gate_multiplier=1.75,
+                 down_multiplier=0.125)
+
+
+def test_multipliers_through_the_public_functions(device):
+    a, b = randn(4, 40, device=device, std=2.0), randn(4, 40, device=device)
+    w, bias = randn(8, 40, device=device), randn(8, device=device)
+    gate, down = 0.5, 3.0
+    expected = F.silu(a * gate) * b * down
+    assert_close(swiglu(a, b, gate_multiplier=gate, down_multiplier=down), expected, torch.float32)
+    out = swiglu_linear(a, b, w, bias, gate_multiplier=gate, down_multiplier=down)
+    assert_close(out, F.linear(F.silu(a * gate) * b, w, bias) * down, torch.float32)
+
+
+# ------------------------------------------------------------------------------- empty inputs
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
+def test_empty_input_as_torch(device, shape):
+    """No tokens (an MoE expert without any): empty outputs and gradients, and the tail's weight
+    and bias gradients zero, as torch's (a sum over no rows)."""
+    a, b, g = leaf(randn(*shape, device=device)), leaf(randn(*shape, device=device)), None
+    c = swiglu(a, b)
+    assert c.shape == shape
+    c.sum().backward()
+    assert a.grad.shape == shape and b.grad.shape == shape
+    g = leaf(randn(*shape[:-1], 128, device=device))
+    swiglu(g, None).sum().backward()
+    assert g.grad.shape == g.shape
+    w, bias = leaf(randn(8, 64, device=device)), leaf(randn(8, device=device))
+    w_ref, bias_ref = leaf(w.detach()), leaf(bias.detach())
+    out = swiglu_linear(leaf(a.detach()), leaf(b.detach()), w, bias)
+    ref = F.linear(F.silu(a.detach()) * b.detach(), w_ref, bias_ref)
+    assert out.shape == ref.shape
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.equal(w.grad, w_ref.grad) and torch.equal(bias.grad, bias_ref.grad)
+
+
+def test_zero_width_as_torch(device):
+    a, b = leaf(randn(3, 0, device=device)), leaf(randn(3, 0, device=device))
+    c = swiglu(a, b)
+    c.sum().backward()
+    assert c.shape == (3, 0) and a.grad.shape == (3, 0)
+
+
+# ------------------------------------------------------------------------------- the contract
+
+
+@pytest.mark.parametrize("overwrite_inputs,fused", [(False, False), (True, True)])
+def test_op_contract(device, overwrite_inputs, fused):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation."""
+    gate_up = randn(2, 3, 96, dtype=torch.bfloat16, device=device, std=2.0)
+    w = randn(16, 48, dtype=torch.bfloat16, device=device, std=0.1).requires_grad_()
+    bias = randn(16, dtype=torch.bfloat16, device=device).requires_grad_()
+    multipliers = dict(gate_multiplier=0.5, down_multiplier=2.0)
+    if fused:
+        gated = lambda g: swiglu(g * 1, None, overwrite_inputs, **multipliers)  # noqa: E731
+        linear = lambda g, w, bias: swiglu_linear(g * 1, None, w, bias, overwrite_inputs,  # noqa: E731
+                                                  **multipliers)
+    else:
+        gated = lambda g: swiglu(*(g * 1).chunk(2, -1), overwrite_inputs, **multipliers)  # noqa: E731
+        linear = lambda g, w, bias: swiglu_linear(*(g * 1).chunk(2, -1), w, bias,  # noqa: E731
+                                                  overwrite_inputs, **multipliers)
+    gate_up.requires_grad_()
+    assert_op_contract(gated, (gate_up,), expect_ops={"swiglu_forward", "swiglu_backward"})
+    assert_op_contract(linear, (gate_up, w, bias),
+                       expect_ops={"swiglu_linear_forward", "swiglu_linear_backward"})

@@ -1,9 +1,17 @@
-"""Gated activations ``act(a) * b`` (SwiGLU, GeGLU): the kernels, launchers and autograd Functions
-shared by ``onca.ops.swiglu`` and ``onca.ops.geglu``, which differ only in the activation.
+"""Gated activations ``act(a) * b`` (SwiGLU, GeGLU): the kernels, launchers, custom ops and
+autograd shared by ``onca.ops.swiglu`` and ``onca.ops.geglu``, which differ only in the activation.
 
 ``a`` is the gate projection and ``b`` the up projection, both ``(..., intermediate)``. Rounding
 follows the Hugging Face MLPs (``act_fn(gate) * up`` in the input dtype): the activation is
 computed in fp32 and rounded to the input dtype, the product is computed in fp32 and rounded again.
+
+Multipliers (Falcon-H1 / Granite muP, as liger-kernel defines them): ``gate_multiplier`` scales the
+gate before the activation (``act(a * gate_multiplier)``, the scaled gate rounded to the input
+dtype as ``gate_proj(x) * gate_multiplier`` is in the model); ``down_multiplier`` scales the
+result of the down projection. It is linear, so the kernels fold it into the product (``c =
+act(...) * b * down_multiplier``, one rounding), and the MLP tail scales its bias by it too: the
+tail's output is ``down_multiplier * linear(act(...) * b, W, bias)``, Falcon-H1's
+``down_proj(y) * down_multiplier``. Both are plain multiplications inside the kernels.
 
 Layouts: ``a`` and ``b`` may be strided views whose rows are not contiguous (unit column stride,
 any row stride), such as the two halves of Phi-3's fused ``gate_up_proj`` output
@@ -11,19 +19,23 @@ any row stride), such as the two halves of Phi-3's fused ``gate_up_proj`` output
 ``a`` *is* the fused ``[gate | up]`` tensor ``(..., 2I)``; its gradient is then one ``(..., 2I)``
 tensor, with no ``torch.cat`` in the backward pass.
 
-Two autograd Functions:
+Each op is a pair of custom ops registered by :func:`register_gated` (``<op>_forward``,
+``<op>_backward``) or :func:`register_gated_linear` (the MLP tail):
 
-- :class:`GLUFunction`: ``c = act(a) * b``. Saves ``a`` and ``b`` (not ``act(a)``: the backward
-  recomputes it from ``a``). ``in_place=True`` writes ``da`` and ``db`` into the storage of ``a``
-  and ``b`` (as liger-kernel always does), so the backward allocates nothing; the caller must not
-  use ``a`` or ``b`` afterwards, and must not backward through the same graph twice.
-- :class:`GLULinearFunction`: ``out = linear(act(a) * b, weight, bias)``, the MLP tail. The
-  product ``c`` is *not* stored for the weight gradient: the backward computes
-  ``dc = dout @ weight``, then one kernel reads ``a, b, dc`` and writes ``da``, ``db`` and the
-  recomputed ``c`` (``c`` over ``dc``'s buffer, ``da``/``db`` over ``a``/``b`` when ``in_place``),
-  then ``dweight = dout^T @ c``. Between forward and backward an MLP so keeps two
-  ``(T, intermediate)`` tensors (``a``, ``b``) where ``nn.Linear`` + liger keep three (``a``, ``b``,
-  ``c``), and its backward peaks at three (``a``, ``b``, ``dc``) where liger's peaks at four.
+- gated: ``c = act(a) * b``. Saves ``a`` and ``b`` (not ``act(a)``: the backward recomputes it).
+  ``overwrite_inputs=True`` writes ``da`` and ``db`` into the storage of ``a`` and ``b`` (as
+  liger-kernel always does), so the backward allocates nothing; the caller must not use ``a`` or
+  ``b`` afterwards, and a second backward through the same graph is refused.
+- gated linear: ``out = linear(act(a) * b, weight, bias)``, the MLP tail. The product ``c`` is
+  *not* stored for the weight gradient: the backward computes ``dc = dout @ weight``, then one
+  kernel reads ``a, b, dc`` and writes ``da``, ``db`` and the recomputed ``c`` (``c`` over ``dc``'s
+  buffer, ``da``/``db`` over ``a``/``b`` with ``overwrite_inputs``), then ``dweight = dout^T @ c``.
+  Between forward and backward an MLP so keeps two ``(T, intermediate)`` tensors (``a``, ``b``)
+  where ``nn.Linear`` + liger keep three (``a``, ``b``, ``c``), and its backward peaks at three
+  (``a``, ``b``, ``dc``) where liger's peaks at four.
+
+``overwrite_inputs`` acts on the eager route only: a traced graph (``torch.compile``) writes new
+buffers and mutates nothing.
 
 Every kernel loops over row blocks (``for rb in tl.range(pid, n_row_blocks, n_programs)``) and,
 within a row block, over the column tiles the plan splits a row into: elements are independent, so
@@ -36,13 +48,15 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
+from onca.ops._contract import Op, custom_op, register_autograd, tracing
+from onca.ops._rows import as_rows, rows_cols
+from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["ACTIVATIONS", "GLUFunction", "GLULinearFunction", "glu", "glu_linear", "plan"]
+__all__ = ["ACTIVATIONS", "gated", "gated_linear", "plan", "register_gated", "register_gated_linear"]
 
 # The activation constexpr of the kernels.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -87,9 +101,16 @@ def _activation(a, ACTIVATION: tl.constexpr, WITH_GRAD: tl.constexpr):
 
 
 @triton.jit
+def _scaled_gate(a, gate_multiplier, DTYPE: tl.constexpr):
+    """``a * gate_multiplier`` in fp32, rounded to the input dtype as the model's scaled gate."""
+    return (a.to(tl.float32) * gate_multiplier).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _glu_forward_kernel(
     a_ptr, b_ptr, c_ptr,
     n_rows, n_cols, a_row_stride, b_row_stride, c_row_stride,
+    gate_multiplier, down_multiplier,
     ACTIVATION: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -110,12 +131,12 @@ def _glu_forward_kernel(
         for tile in range(COL_TILES):
             cols = (tile * BLOCK_COLS + col_offsets)[None, :]
             mask = row_mask[:, None] & (cols < n_cols)
-            a = tl.load(a_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            a = _scaled_gate(tl.load(a_rows + cols, mask=mask, other=0.0), gate_multiplier, DTYPE)
             h, _ = _activation(a, ACTIVATION, False)
             # act(a) rounded to the input dtype, as the Hugging Face MLP materialises it
             h = h.to(DTYPE).to(tl.float32)
             b = tl.load(b_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(c_rows + cols, (h * b).to(DTYPE), mask=mask)
+            tl.store(c_rows + cols, (h * b * down_multiplier).to(DTYPE), mask=mask)
 
 
 @triton.jit
@@ -123,6 +144,7 @@ def _glu_backward_kernel(
     dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, c_ptr,
     n_rows, n_cols,
     dc_row_stride, a_row_stride, b_row_stride, da_row_stride, db_row_stride, c_row_stride,
+    gate_multiplier, down_multiplier,
     ACTIVATION: tl.constexpr,
     STORE_C: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -149,15 +171,16 @@ def _glu_backward_kernel(
         for tile in range(COL_TILES):
             cols = (tile * BLOCK_COLS + col_offsets)[None, :]
             mask = row_mask[:, None] & (cols < n_cols)
-            dc = tl.load(dc_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            a = tl.load(a_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            # the gradient of the unscaled product act(a) * b
+            dp = tl.load(dc_rows + cols, mask=mask, other=0.0).to(tl.float32) * down_multiplier
+            a = _scaled_gate(tl.load(a_rows + cols, mask=mask, other=0.0), gate_multiplier, DTYPE)
             b = tl.load(b_rows + cols, mask=mask, other=0.0).to(tl.float32)
             h, dh = _activation(a, ACTIVATION, True)
             h = h.to(DTYPE).to(tl.float32)  # the rounded act(a) the forward multiplied by
             if STORE_C:
-                tl.store(c_rows + cols, (h * b).to(DTYPE), mask=mask)
-            tl.store(da_rows + cols, (dc * b * dh).to(DTYPE), mask=mask)
-            tl.store(db_rows + cols, (dc * h).to(DTYPE), mask=mask)
+                tl.store(c_rows + cols, (h * b * down_multiplier).to(DTYPE), mask=mask)
+            tl.store(da_rows + cols, (dp * b * dh * gate_multiplier).to(DTYPE), mask=mask)
+            tl.store(db_rows + cols, (dp * h).to(DTYPE), mask=mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -166,10 +189,7 @@ def _glu_backward_kernel(
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The plans for ``a`` of ``shape`` ``(..., intermediate)``: the op's forward and backward, and
     the MLP tail's backward (which also writes the recomputed product)."""
-    shape = tuple(int(s) for s in shape)
-    rows, cols = 1, shape[-1]
-    for s in shape[:-1]:
-        rows *= s
+    rows, cols = rows_cols(shape)
     return {
         "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
         "backward": plan_rows(rows, cols, dtype, profile=profile, **BACKWARD_TILES),
@@ -177,69 +197,224 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     }
 
 
-def glu_forward(a2d: torch.Tensor, b2d: torch.Tensor, activation: int) -> torch.Tensor:
-    rows, cols = a2d.shape
-    p = plan_rows(rows, cols, a2d.dtype, **FORWARD_TILES)
-    c = torch.empty((rows, cols), dtype=a2d.dtype, device=a2d.device)
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as 2-D rows (a zero-width ``t`` too, which ``as_rows``' ``view(-1, 0)`` cannot)."""
+    return as_rows(t) if t.shape[-1] else t.reshape(rows_cols(t.shape))
+
+
+def _halves(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The gate and up row views; with ``up=None``, ``gate`` is ``[gate | up]`` and they are its
+    halves."""
+    if up is None:
+        half = gate.shape[1] // 2
+        return gate[:, :half], gate[:, half:]
+    return gate, up
+
+
+def _product(a: Tensor, b: Tensor, activation: int, gate_multiplier: float,
+             down_multiplier: float) -> Tensor:
+    """``act(a * gate_multiplier) * b * down_multiplier``, a new ``(rows, cols)`` tensor."""
+    rows, cols = a.shape
+    c = torch.empty((rows, cols), dtype=a.dtype, device=a.device)
+    if c.numel() == 0:
+        return c
+    p = plan_rows(rows, cols, a.dtype, **FORWARD_TILES)
     _glu_forward_kernel[(p.grid,)](
-        a2d, b2d, c,
-        rows, cols, a2d.stride(0), b2d.stride(0), c.stride(0),
+        a, b, c,
+        rows, cols, a.stride(0), b.stride(0), c.stride(0),
+        gate_multiplier, down_multiplier,
         ACTIVATION=activation, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
     return c
 
 
-def glu_backward(dc2d, a2d, b2d, da2d, db2d, activation: int, c2d=None) -> None:
-    """Write ``da`` and ``db`` (and, if ``c2d`` is given, the recomputed product) for ``dc``."""
-    rows, cols = a2d.shape
-    store_c = c2d is not None
-    tiles = PRODUCT_BACKWARD_TILES if store_c else BACKWARD_TILES
-    p = plan_rows(rows, cols, a2d.dtype, **tiles)
-    c_arg = c2d if store_c else dc2d  # unused (never stored to) without STORE_C
+def _product_backward(dc, a, b, da, db, activation: int, gate_multiplier: float, down_multiplier: float,
+                      product: Tensor | None = None) -> None:
+    """Write ``da`` and ``db`` for ``dc`` (and, if given, the recomputed product into ``product``)."""
+    rows, cols = a.shape
+    if a.numel() == 0:
+        return
+    store_c = product is not None
+    p = plan_rows(rows, cols, a.dtype, **(PRODUCT_BACKWARD_TILES if store_c else BACKWARD_TILES))
+    c = product if store_c else dc  # unused (never stored to) without STORE_C
     _glu_backward_kernel[(p.grid,)](
-        dc2d, a2d, b2d, da2d, db2d, c_arg,
+        dc, a, b, da, db, c,
         rows, cols,
-        dc2d.stride(0), a2d.stride(0), b2d.stride(0), da2d.stride(0), db2d.stride(0), c_arg.stride(0),
+        dc.stride(0), a.stride(0), b.stride(0), da.stride(0), db.stride(0), c.stride(0),
+        gate_multiplier, down_multiplier,
         ACTIVATION=activation, STORE_C=store_c,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
 
 
-# ------------------------------------------------------------------------------------------ layout
+def _input_gradients(gate: Tensor, up: Tensor | None, overwrite_inputs: bool):
+    """``(d_gate, d_up)`` as the backward op returns them (``d_up`` empty when ``up`` is None) and
+    the ``(da, db)`` row views the kernel writes: over ``gate``/``up`` themselves when
+    ``overwrite_inputs``, else in new tensors."""
+    if overwrite_inputs:
+        d_gate, d_up = gate, up
+    else:
+        d_gate = gate.new_empty(gate.shape)
+        d_up = None if up is None else up.new_empty(up.shape)
+    da, db = _halves(d_gate, d_up)
+    return d_gate, (gate.new_empty(0) if d_up is None else d_up), da, db
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``(rows, last_dim)`` with unit column stride and any row stride; copies only when
-    no such view exists (a column stride other than 1, or leading dims that do not merge)."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        t = t.contiguous()
-    try:
-        rows = t.view(-1, t.shape[-1])
-    except RuntimeError:  # leading dimensions that cannot be merged into one row stride
-        rows = t.reshape(-1, t.shape[-1]).contiguous()
-    if rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]:  # overlapping rows (expanded)
-        rows = rows.contiguous()
-    if rows.stride(1) != 1:  # a single column
-        rows = rows.contiguous()
-    return rows
+def _fake_input_gradients(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The shapes of ``_input_gradients``' new tensors (``overwrite_inputs`` is eager only)."""
+    return gate.new_empty(gate.shape), gate.new_empty(0) if up is None else up.new_empty(up.shape)
 
 
-def _split(a: torch.Tensor, b: torch.Tensor | None):
-    """Row views ``(a2d, b2d)`` of the gate and up inputs, and the 2-D form of ``a`` as given.
-
-    With ``b=None``, ``a`` is the fused ``[gate | up]`` tensor and the views are its halves."""
-    if b is None:
-        fused = _as_rows(a)
-        half = fused.shape[1] // 2
-        return fused[:, :half], fused[:, half:], fused
-    return _as_rows(a), _as_rows(b), None
+def _in_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _check_inputs(a, b, activation: str, in_place) -> int:
+# ---------------------------------------------------------------------------------------- autograd
+
+
+_OVERWRITTEN = (
+    "this gated-activation backward has already written its gradients over the saved inputs "
+    "(overwrite_inputs=True); to backward twice through one graph (retain_graph=True), use "
+    "overwrite_inputs=False"
+)
+
+
+def _save_options(ctx, activation, gate_multiplier, down_multiplier, overwrite_inputs) -> None:
+    ctx.activation, ctx.gate_multiplier, ctx.down_multiplier = activation, gate_multiplier, down_multiplier
+    ctx.overwrite_inputs = overwrite_inputs
+    ctx.inputs_overwritten = False
+
+
+def _overwrite_now(ctx, *tensors) -> bool:
+    """Whether this backward writes over the saved inputs: where the caller asked, on the eager
+    route only. A backward after one that did would read gradients as inputs: refused."""
+    if ctx.inputs_overwritten:
+        raise RuntimeError(_OVERWRITTEN)
+    ctx.inputs_overwritten = ctx.overwrite_inputs and not tracing(*tensors)
+    return ctx.inputs_overwritten
+
+
+def register_gated(name: str) -> tuple[Op, Op]:
+    """Register ``<name>_forward`` (``c = act(a) * b``) and ``<name>_backward`` with autograd."""
+
+    @custom_op(f"{name}_forward")
+    def forward(gate: Tensor, up: Tensor | None, activation: int, gate_multiplier: float,
+                down_multiplier: float, overwrite_inputs: bool) -> Tensor:
+        """The 2-D product; ``up=None``: ``gate`` is ``[gate | up]``. ``overwrite_inputs`` is the
+        backward's."""
+        return _product(*_halves(gate, up), activation, gate_multiplier, down_multiplier)
+
+    @forward.register_fake
+    def _(gate, up, activation, gate_multiplier, down_multiplier, overwrite_inputs):
+        a, _ = _halves(gate, up)
+        return gate.new_empty(a.shape)
+
+    @custom_op(f"{name}_backward")
+    def backward(dc: Tensor, gate: Tensor, up: Tensor | None, activation: int, gate_multiplier: float,
+                 down_multiplier: float, overwrite_inputs: bool) -> tuple[Tensor, Tensor]:
+        """``(d_gate, d_up)``; ``up=None``: ``d_gate`` is the ``[gate | up]`` gradient, ``d_up``
+        empty. With ``overwrite_inputs`` (eager route only) they are ``gate`` and ``up``."""
+        d_gate, d_up, da, db = _input_gradients(gate, up, overwrite_inputs)
+        a, b = _halves(gate, up)
+        _product_backward(dc, a, b, da, db, activation, gate_multiplier, down_multiplier)
+        return d_gate, d_up
+
+    @backward.register_fake
+    def _(dc, gate, up, activation, gate_multiplier, down_multiplier, overwrite_inputs):
+        return _fake_input_gradients(gate, up)
+
+    def setup_context(ctx, inputs, output):
+        gate, up, *options = inputs
+        ctx.save_for_backward(gate, up)
+        _save_options(ctx, *options)
+
+    def backward_of_forward(ctx, dc):
+        gate, up = ctx.saved_tensors
+        overwrite = _overwrite_now(ctx, dc, gate, up)
+        d_gate, d_up = backward(_rows(dc), gate, up, ctx.activation, ctx.gate_multiplier,
+                                ctx.down_multiplier, overwrite)
+        return d_gate, (None if up is None else d_up), None, None, None, None
+
+    register_autograd(forward, backward_of_forward, setup_context=setup_context)
+    return forward, backward
+
+
+def register_gated_linear(name: str) -> tuple[Op, Op]:
+    """Register ``<name>_forward`` (``linear(act(a) * b, weight, bias)``, no product saved) and
+    ``<name>_backward`` with autograd."""
+
+    @custom_op(f"{name}_forward")
+    def forward(gate: Tensor, up: Tensor | None, weight: Tensor, bias: Tensor | None, activation: int,
+                gate_multiplier: float, down_multiplier: float, overwrite_inputs: bool) -> Tensor:
+        """``down_multiplier * linear(product, weight, bias)`` in ``gate``'s dtype (the weight and
+        bias cast to it where they differ, as under autocast); the product is freed here."""
+        dtype = gate.dtype
+        product = _product(*_halves(gate, up), activation, gate_multiplier, down_multiplier)
+        bias = _in_dtype(bias, dtype)
+        if bias is not None and down_multiplier != 1.0:
+            bias = bias * down_multiplier
+        return F.linear(product, _in_dtype(weight, dtype), bias)
+
+    @forward.register_fake
+    def _(gate, up, weight, bias, activation, gate_multiplier, down_multiplier, overwrite_inputs):
+        return gate.new_empty((gate.shape[0], weight.shape[0]))
+
+    @custom_op(f"{name}_backward")
+    def backward(dout: Tensor, gate: Tensor, up: Tensor | None, weight: Tensor, bias: Tensor | None,
+                 activation: int, gate_multiplier: float, down_multiplier: float, overwrite_inputs: bool,
+                 weight_grad: bool, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(d_gate, d_up, d_weight, d_bias)``, each empty where not wanted (``d_up`` with
+        ``up=None``, whose ``d_gate`` is the ``[gate | up]`` gradient)."""
+        dtype = gate.dtype
+        dout = _in_dtype(dout, dtype)
+        d_product = dout @ _in_dtype(weight, dtype)  # (T, intermediate); then the recomputed product
+        d_gate, d_up, da, db = _input_gradients(gate, up, overwrite_inputs)
+        a, b = _halves(gate, up)
+        _product_backward(d_product, a, b, da, db, activation, gate_multiplier, down_multiplier,
+                          product=d_product)
+        d_weight = (dout.t() @ d_product).to(weight.dtype) if weight_grad else weight.new_empty(0)
+        d_bias = weight.new_empty(0)
+        if bias is not None and bias_grad:
+            d_bias = dout.sum(0, dtype=torch.float32)
+            if down_multiplier != 1.0:
+                d_bias = d_bias * down_multiplier
+            d_bias = d_bias.to(bias.dtype)
+        return d_gate, d_up, d_weight, d_bias
+
+    @backward.register_fake
+    def _(dout, gate, up, weight, bias, activation, gate_multiplier, down_multiplier, overwrite_inputs,
+          weight_grad, bias_grad):
+        d_weight = weight.new_empty(weight.shape if weight_grad else 0)
+        d_bias = bias.new_empty(bias.shape) if bias is not None and bias_grad else weight.new_empty(0)
+        return (*_fake_input_gradients(gate, up), d_weight, d_bias)
+
+    def setup_context(ctx, inputs, output):
+        gate, up, weight, bias, *options = inputs
+        ctx.save_for_backward(gate, up, weight, bias)
+        _save_options(ctx, *options)
+
+    def backward_of_forward(ctx, dout):
+        gate, up, weight, bias = ctx.saved_tensors
+        overwrite = _overwrite_now(ctx, dout, gate, up)
+        weight_grad, bias_grad = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        d_gate, d_up, d_weight, d_bias = backward(
+            _rows(dout), gate, up, weight, bias, ctx.activation, ctx.gate_multiplier,
+            ctx.down_multiplier, overwrite, weight_grad, bias_grad,
+        )
+        return (d_gate, None if up is None else d_up, d_weight if weight_grad else None,
+                d_bias if bias is not None and bias_grad else None, None, None, None, None)
+
+    register_autograd(forward, backward_of_forward, setup_context=setup_context)
+    return forward, backward
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _check_gated(a, b, activation: str, gate_multiplier, down_multiplier, overwrite_inputs) -> int:
     check_float(a, "a")
-    check_nonempty(a, "a")
     if a.dim() == 0:
         raise ValueError("a must have at least one dimension (..., intermediate)")
     if b is None:
@@ -255,154 +430,56 @@ def _check_inputs(a, b, activation: str, in_place) -> int:
         if b.shape != a.shape:
             raise ValueError(f"b must have a's shape {tuple(a.shape)}, got {tuple(b.shape)}")
         check_same_device(b, "b", a, "a")
-        if in_place and a.data_ptr() == b.data_ptr():
-            raise ValueError("in_place=True needs a and b in separate memory (they alias)")
-    if not isinstance(in_place, bool):
-        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    check_number(gate_multiplier, "gate_multiplier")
+    check_number(down_multiplier, "down_multiplier")
+    check_bool(overwrite_inputs, "overwrite_inputs")
+    if (overwrite_inputs and b is not None and not tracing(a, b) and a.numel()
+            and a.data_ptr() == b.data_ptr()):
+        raise ValueError("overwrite_inputs=True needs a and b in separate memory (they alias)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     return ACTIVATIONS[activation]
 
 
-# ---------------------------------------------------------------------------------------- autograd
+def _check_linear(a, b, weight, bias) -> None:
+    check_float(weight, "weight")
+    check_same_device(weight, "weight", a, "a")
+    cols = a.shape[-1] if b is not None else a.shape[-1] // 2
+    if weight.dim() != 2 or weight.shape[1] != cols:
+        raise ValueError(
+            f"weight must be 2-D (out_features, {cols}) to take the product's {cols} columns, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_float(bias, "bias")
+        check_same_device(bias, "bias", a, "a")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    dtype, device_type = a.dtype, a.device.type
+    autocast_to_dtype = (torch.is_autocast_enabled(device_type)
+                         and torch.get_autocast_dtype(device_type) == dtype)
+    if weight.dtype != dtype and not autocast_to_dtype:
+        raise TypeError(
+            f"weight must have the activations' dtype {dtype} (or run under torch.autocast to "
+            f"{dtype}), got {weight.dtype}"
+        )
 
 
-_CONSUMED = (
-    "this in_place gated-activation backward has already written its gradients over the saved "
-    "activations; to backward twice through one graph (retain_graph=True), use in_place=False"
-)
+def gated(forward: Op, a, b, activation: str, gate_multiplier, down_multiplier, overwrite_inputs) -> Tensor:
+    """Validate, then ``act(a * gate_multiplier) * b * down_multiplier`` through ``forward`` (a
+    :func:`register_gated` op), in ``a``'s leading shape."""
+    act = _check_gated(a, b, activation, gate_multiplier, down_multiplier, overwrite_inputs)
+    c = forward(_rows(a), None if b is None else _rows(b), act, float(gate_multiplier),
+                float(down_multiplier), overwrite_inputs)
+    return c.view(*a.shape[:-1], c.shape[-1])
 
 
-class GLUFunction(torch.autograd.Function):
-    """``c = act(a) * b``. Saves ``a`` and ``b`` (2-D row views; ``act(a)`` is recomputed).
-
-    ``guard`` (with ``in_place``): refuse a second backward through the same graph, whose saved
-    ``a``/``b`` the first one overwrote. The modules set it; the bare op leaves it off, as liger
-    does, so that a benchmark may time repeated backward passes (on meaningless values).
-    """
-
-    @staticmethod
-    def forward(ctx, a, b, activation, in_place, guard):
-        act = _check_inputs(a, b, activation, in_place)
-        a2d, b2d, fused = _split(a, b)
-        c = glu_forward(a2d, b2d, act)
-        ctx.save_for_backward(a2d, b2d, fused)
-        ctx.act, ctx.in_place, ctx.a_shape = act, in_place, a.shape
-        ctx.b_is_none, ctx.guard, ctx.consumed = b is None, bool(guard), False
-        out_shape = a.shape if b is not None else (*a.shape[:-1], a.shape[-1] // 2)
-        return c.view(out_shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dc):
-        if ctx.consumed:
-            raise RuntimeError(_CONSUMED)
-        a2d, b2d, fused = ctx.saved_tensors
-        ctx.consumed = ctx.in_place and ctx.guard
-        dc2d = _as_rows(dc)
-        if ctx.in_place:
-            da2d, db2d = a2d, b2d
-        elif ctx.b_is_none:
-            grad = torch.empty(fused.shape, dtype=a2d.dtype, device=a2d.device)
-            da2d, db2d = grad.chunk(2, dim=1)
-        else:
-            da2d, db2d = torch.empty_like(a2d), torch.empty_like(b2d)
-        glu_backward(dc2d, a2d, b2d, da2d, db2d, ctx.act)
-        if ctx.b_is_none:
-            grad = fused if ctx.in_place else grad
-            return grad.view(ctx.a_shape), None, None, None, None
-        return da2d.view(ctx.a_shape), db2d.view(ctx.a_shape), None, None, None
-
-
-def glu(a, b=None, activation: str = "silu", in_place: bool = False, guard: bool = False) -> torch.Tensor:
-    """``act(a) * b`` over ``(..., intermediate)``; ``b=None``: ``a`` is fused ``[gate | up]``."""
-    return GLUFunction.apply(a, b, activation, in_place, guard)
-
-
-def _compute_weight(weight: torch.Tensor, bias, dtype: torch.dtype, device_type: str):
-    """The weight (and bias) in the dtype the product is multiplied in: ``dtype`` itself, or a cast
-    copy under autocast (as ``nn.Linear`` would compute inside ``torch.autocast``)."""
-    if weight.dtype == dtype:
-        return weight, bias
-    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == dtype:
-        return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
-    raise TypeError(
-        f"weight must have the activations' dtype {dtype} (or run under torch.autocast to {dtype}), "
-        f"got {weight.dtype}"
-    )
-
-
-class GLULinearFunction(torch.autograd.Function):
-    """``out = linear(act(a) * b, weight, bias)`` with the product recomputed for the backward.
-
-    Saves ``a``, ``b`` (or the fused ``[gate | up]`` tensor), ``weight`` and ``bias``: the
-    ``(T, intermediate)`` product is freed as soon as the forward's matmul has read it. The
-    backward writes it again into the buffer of ``dc = dout @ weight`` (see the module docstring).
-    With ``in_place``, ``da``/``db`` overwrite the saved ``a``/``b``, so a second backward through
-    the same graph is refused (``retain_graph=True``: use ``in_place=False``).
-    """
-
-    @staticmethod
-    def forward(ctx, a, b, weight, bias, activation, in_place):
-        act = _check_inputs(a, b, activation, in_place)
-        check_float(weight, "weight")
-        check_same_device(weight, "weight", a, "a")
-        cols = a.shape[-1] if b is not None else a.shape[-1] // 2
-        if weight.dim() != 2 or weight.shape[1] != cols:
-            raise ValueError(
-                f"weight must be 2-D (out_features, {cols}) to take the product's {cols} columns, "
-                f"got shape {tuple(weight.shape)}"
-            )
-        if bias is not None:
-            check_float(bias, "bias")
-            check_same_device(bias, "bias", a, "a")
-            if bias.shape != (weight.shape[0],):
-                raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        w, bias_c = _compute_weight(weight, bias, a.dtype, a.device.type)
-        a2d, b2d, fused = _split(a, b)
-        c = glu_forward(a2d, b2d, act)
-        out = F.linear(c, w, bias_c)
-        del c  # not saved: recomputed in the backward
-        ctx.save_for_backward(a2d, b2d, fused, weight)
-        ctx.act, ctx.in_place, ctx.a_shape, ctx.b_is_none = act, in_place, a.shape, b is None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.consumed = False
-        return out.view(*a.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        if ctx.consumed:
-            raise RuntimeError(_CONSUMED)
-        a2d, b2d, fused, weight = ctx.saved_tensors
-        ctx.consumed = ctx.in_place
-        dtype = a2d.dtype
-        w = weight if weight.dtype == dtype else weight.to(dtype)
-        dout2d = dout.reshape(-1, dout.shape[-1])
-        if dout2d.dtype != dtype:
-            dout2d = dout2d.to(dtype)
-        dc = dout2d @ w  # (T, intermediate), contiguous; becomes the recomputed product below
-        if ctx.in_place:
-            da2d, db2d = a2d, b2d
-        elif ctx.b_is_none:
-            grad = torch.empty(fused.shape, dtype=dtype, device=a2d.device)
-            da2d, db2d = grad.chunk(2, dim=1)
-        else:
-            da2d, db2d = torch.empty_like(a2d), torch.empty_like(b2d)
-        glu_backward(dc, a2d, b2d, da2d, db2d, ctx.act, c2d=dc)
-        c = dc
-        dweight = dbias = None
-        if ctx.needs_input_grad[2]:
-            dweight = (dout2d.t() @ c).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
-            dbias = dout2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        del c, dc
-        if ctx.b_is_none:
-            grad = fused if ctx.in_place else grad
-            return grad.view(ctx.a_shape), None, dweight, dbias, None, None
-        return da2d.view(ctx.a_shape), db2d.view(ctx.a_shape), dweight, dbias, None, None
-
-
-def glu_linear(a, b, weight, bias=None, activation: str = "silu", in_place: bool = False):
-    """``linear(act(a) * b, weight, bias)``, storing no product for the backward."""
-    return GLULinearFunction.apply(a, b, weight, bias, activation, in_place)
+def gated_linear(forward: Op, a, b, weight, bias, activation: str, gate_multiplier, down_multiplier,
+                 overwrite_inputs) -> Tensor:
+    """Validate, then ``down_multiplier * linear(act(a * gate_multiplier) * b, weight, bias)``
+    through ``forward`` (a :func:`register_gated_linear` op), in ``a``'s leading shape."""
+    act = _check_gated(a, b, activation, gate_multiplier, down_multiplier, overwrite_inputs)
+    _check_linear(a, b, weight, bias)
+    out = forward(_rows(a), None if b is None else _rows(b), weight, bias, act, float(gate_multiplier),
+                  float(down_multiplier), overwrite_inputs)
+    return out.view(*a.shape[:-1], weight.shape[0])

@@ -47,18 +47,20 @@ layer_norm_forward.__onca__ = "layer_norm"
 
 
 def swiglu_mlp_forward(self, x):
-    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu")
+    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu", overwrite_inputs=True)
 
 
 def phi3_mlp_forward(self, hidden_states):
     # gate_up_proj holds [gate; up]; the kernels read its halves in place, no copy.
-    return gated_mlp_tail(self.gate_up_proj(hidden_states), None, self.down_proj, "silu")
+    return gated_mlp_tail(self.gate_up_proj(hidden_states), None, self.down_proj, "silu",
+                          overwrite_inputs=True)
 
 
 def geglu_mlp_forward(self, x):
     act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", None)
     activation = GELU_ACTIVATIONS.get(act, "gelu_tanh")
-    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation)
+    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation,
+                          overwrite_inputs=True)
 
 
 MLP_FORWARDS = {"swiglu": swiglu_mlp_forward, "phi3": phi3_mlp_forward, "geglu": geglu_mlp_forward}
