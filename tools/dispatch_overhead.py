@@ -11,11 +11,16 @@ mode; it forces the registered route by making the contract's route test always 
 
 from __future__ import annotations
 
+import cProfile
+import pstats
+import sys
 import time
 
 from unittest import mock
 
 import torch
+import triton
+import triton.language as tl
 
 from onca.functional import rms_norm
 from onca.ops import _contract, rms_norm as rms_norm_module

@@ -71,8 +71,9 @@ for _fn in MLP_FORWARDS.values():
 def experts_apply_gate(self, gate_up):
     """The activation between the experts' two GEMMs, ``silu(gate) * up`` over ``[gate | up]``
     halves, for transformers' experts implementations that call ``_apply_gate`` (``grouped_mm``,
-    ``batched_mm``): their routing and GEMMs stay, and compile without a graph break."""
-    return OF.swiglu(gate_up)
+    ``batched_mm``): their routing and GEMMs stay, and compile without a graph break. ``gate_up``
+    is the experts' own intermediate, dead after the backward: its storage takes the gradients."""
+    return OF.swiglu(gate_up, overwrite_inputs=True)
 
 
 experts_apply_gate.__onca__ = "mlp"
@@ -105,7 +106,7 @@ def _experts_loop(self, hidden_states, top_k_index, top_k_weights):
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
         gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
-        out = F.linear(OF.swiglu(gate_up), self.down_proj[expert_idx])
+        out = F.linear(OF.swiglu(gate_up, overwrite_inputs=True), self.down_proj[expert_idx])
         out = out * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, out.to(final.dtype))
     return final
