@@ -18,12 +18,12 @@ import torch
 from onca.ops._partials import partial_buffer, sum_partials
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["launch_forward", "launch_backward"]
+__all__ = ["launch_backward", "launch_forward"]
 
 
 def _plan_constexprs(p: RowPlan) -> dict:
-    return dict(BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-                num_warps=p.num_warps)
+    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
+            "num_warps": p.num_warps}
 
 
 def launch_forward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, **constexprs) -> None:

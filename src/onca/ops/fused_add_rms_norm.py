@@ -28,13 +28,18 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._rows import as_rows
 from onca.ops._validate import check_float, check_same_device
 from onca.ops.rms_norm import (
-    CASTING_MODES, grad_output_buffer, launch_rms_norm_backward, launch_rms_norm_forward, may_overwrite,
-    validate_options, validate_weight,
+    CASTING_MODES,
+    grad_output_buffer,
+    launch_rms_norm_backward,
+    launch_rms_norm_forward,
+    may_overwrite,
+    validate_options,
+    validate_weight,
 )
 from onca.ops.rms_norm import plan as rms_norm_plan
 from onca.tiling import RowPlan
 
-__all__ = ["fused_add_rms_norm", "CASTING_MODES", "plan"]
+__all__ = ["CASTING_MODES", "fused_add_rms_norm", "plan"]
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:

@@ -5,9 +5,10 @@ affine transform in fp32, one rounding to the input dtype at the end. ``weight``
 optional (``elementwise_affine=False`` / ``bias=False``) and may have another floating dtype than
 ``x`` (an fp32 master weight with bf16 activations); the output has ``x``'s dtype.
 
-Saved for backward: the input ``x`` (the 2-D view the kernels read), the weight, and one fp32
-``mean`` and one fp32 ``rstd`` per row; the normalised row ``(x - mean) * rstd`` is recomputed in
-the backward pass rather than stored.
+Saved for backward: the input ``x`` (the 2-D view the kernels read), the weight, the bias (a
+reference kept for its gradient's dtype; its values are not read), and one fp32 ``mean`` and one
+fp32 ``rstd`` per row; the normalised row ``(x - mean) * rstd`` is recomputed in the backward pass
+rather than stored. Only the parameter gradients autograd asks for are computed.
 
 Each kernel has a single-pass path (a whole row, or several, in one tile) and a column-tiled path
 chosen by the plan when a row does not fit the on-chip budget. The single-pass forward centres the

@@ -42,7 +42,7 @@ from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_bool, check_float, check_last_dim, check_number, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["rms_norm", "CASTING_MODES", "plan", "launch_rms_norm_forward", "launch_rms_norm_backward"]
+__all__ = ["CASTING_MODES", "launch_rms_norm_backward", "launch_rms_norm_forward", "plan", "rms_norm"]
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 
