@@ -67,13 +67,14 @@ def test_module_defaults_and_repr():
     assert torch.equal(m.weight.detach(), torch.ones(64))
     assert m.variance_epsilon == m.eps == 1e-6
     assert list(m.state_dict()) == ["weight"]
-    g = onca.nn.FusedAddRMSNorm(64, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=True)
+    g = onca.nn.FusedAddRMSNorm(64, offset=1.0, casting_mode="gemma", init_fn="zeros",
+                                overwrite_grad_output=True)
     assert torch.equal(g.weight.detach(), torch.zeros(64))
-    assert "casting_mode='gemma'" in repr(g) and "in_place=True" in repr(g)
+    assert "casting_mode='gemma'" in repr(g) and "overwrite_grad_output=True" in repr(g)
 
 
-def test_module_in_place_backward(device):
-    m = onca.nn.FusedAddRMSNorm(HIDDEN, in_place=True).to(device)
+def test_module_overwrite_grad_output_backward(device):
+    m = onca.nn.FusedAddRMSNorm(HIDDEN, overwrite_grad_output=True).to(device)
     x = randn(2, HIDDEN, device=device, requires_grad=True)
     residual = randn(2, HIDDEN, device=device, requires_grad=True)
     y, _ = m(x, residual)

@@ -55,6 +55,24 @@ def test_matches_hugging_face_module(device, hf_cls, dtype):
     assert_close(ours.weight.grad, hf.weight.grad, dtype, "dw")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_without_weight_matches_torch_module(device, dtype):
+    """``elementwise_affine=False``: no parameter, torch.nn.RMSNorm's function and input gradient."""
+    ref = torch.nn.RMSNorm(HIDDEN, eps=1e-6, elementwise_affine=False)
+    ours = onca.nn.RMSNorm(HIDDEN, eps=1e-6, elementwise_affine=False)
+    assert ours.weight is None and list(ours.parameters()) == [] and list(ours.state_dict()) == []
+    assert "elementwise_affine=False" in repr(ours)
+    x = randn(*SHAPE, dtype=dtype, device=device)
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y_ours = ref(x_ref), ours(x_ours)
+    assert y_ours.dtype == y_ref.dtype
+    assert_close(y_ours, y_ref, dtype, "y")
+    dy = randn(*SHAPE, dtype=dtype, device=device)
+    y_ref.backward(dy)
+    y_ours.backward(dy)
+    assert_close(x_ours.grad, x_ref.grad, dtype, "dx")
+
+
 def test_module_defaults_and_repr():
     m = onca.nn.RMSNorm(64)
     assert torch.equal(m.weight.detach(), torch.ones(64))
@@ -72,3 +90,5 @@ def test_module_bad_arguments():
         onca.nn.RMSNorm(64, init_fn="normal")
     with pytest.raises(ValueError, match="hidden_size"):
         onca.nn.RMSNorm(0)
+    with pytest.raises(TypeError, match="elementwise_affine"):
+        onca.nn.RMSNorm(64, elementwise_affine="no")

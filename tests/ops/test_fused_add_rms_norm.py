@@ -10,6 +10,7 @@ from onca import device as onca_device
 from onca.device import accelerator, interpreter_active
 from onca.ops import fused_add_rms_norm as op
 from onca.ops.fused_add_rms_norm import fused_add_rms_norm
+from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, non_contiguous, randn
 from tests.ops.test_rms_norm import reference as rms_norm_reference
 
@@ -34,12 +35,12 @@ def check_residual_sum(h, x, residual):
         assert torch.equal(h, expected), "h must equal x + residual exactly"
 
 
-def check(x, r, w, eps=1e-6, offset=0.0, casting="llama", in_place=False, use=("y", "h")):
+def check(x, r, w, eps=1e-6, offset=0.0, casting="llama", overwrite_grad_output=False, use=("y", "h")):
     """Run the kernel and the reference forward and backward; compare y, h, dx, dresidual, dw.
 
     ``use`` says which outputs feed the loss (the other takes no gradient)."""
     xk, rk, wk = leaf(x), leaf(r), leaf(w)
-    y, h = fused_add_rms_norm(xk, rk, wk, eps, offset, casting, in_place)
+    y, h = fused_add_rms_norm(xk, rk, wk, eps, offset, casting, overwrite_grad_output)
     assert y.dtype == h.dtype == x.dtype and y.shape == h.shape == x.shape
     ref, h64, w64 = rms_norm_reference(x + r, w, eps, offset, casting)
     assert_close(y, ref, x.dtype, "y")
@@ -155,22 +156,24 @@ def test_fp32_weight_with_bf16_input(device):
     check(x, r, w, casting="gemma")
 
 
-def test_in_place_backward_reuses_dy(device):
+def test_overwrite_grad_output_reuses_dy(device):
     x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     r = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     w = randn(BASE_SHAPE[-1], dtype=torch.bfloat16, device=device)
     dy = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     dh = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
 
-    def grads(in_place, dy_buffer):
+    def grads(overwrite, dy_buffer):
         xk, rk, wk = leaf(x), leaf(r), leaf(w)
-        y, h = fused_add_rms_norm(xk, rk, wk, in_place=in_place)
+        y, h = fused_add_rms_norm(xk, rk, wk, overwrite_grad_output=overwrite)
         return torch.autograd.grad((y, h), (xk, rk, wk), (dy_buffer, dh.clone()))
 
     expected = grads(False, dy.clone())
     dy_buffer = dy.clone()
     got = grads(True, dy_buffer)
-    assert got[0].data_ptr() == dy_buffer.data_ptr(), "in_place=True must write dx into dy's storage"
+    assert got[0].data_ptr() == dy_buffer.data_ptr(), (
+        "overwrite_grad_output=True must write dx into dy's storage"
+    )
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
 
@@ -220,8 +223,6 @@ def test_bad_input(device):
         fused_add_rms_norm(x, r, torch.empty(64, device="meta"))
     with pytest.raises(ValueError, match="residual is on meta"):
         fused_add_rms_norm(x, torch.empty(4, 64, device="meta"), w)
-    with pytest.raises(ValueError, match="x is empty"):
-        fused_add_rms_norm(randn(0, 64, device=device), randn(0, 64, device=device), w)
     with pytest.raises(ValueError, match="casting_mode"):
         fused_add_rms_norm(x, r, w, casting_mode="fp8")
     with pytest.raises(ValueError, match="weight must be 1-D"):
@@ -230,6 +231,42 @@ def test_bad_input(device):
         fused_add_rms_norm(x, r, w, eps=float("nan"))
     with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
         fused_add_rms_norm(x, [1.0, 2.0], w)
+    with pytest.raises(TypeError, match="eps must be a number"):
+        fused_add_rms_norm(x, r, w, eps="1e-6")
+    with pytest.raises(TypeError, match="overwrite_grad_output must be a bool"):
+        fused_add_rms_norm(x, r, w, overwrite_grad_output=1)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
+def test_empty_input_as_torch(device, shape):
+    """No rows: torch's results (the add, then rms_norm): empty outputs and input gradients, and a
+    zero weight gradient (a sum over no rows)."""
+    x, r, w = randn(*shape, device=device), randn(*shape, device=device), randn(64, device=device)
+    xk, rk, wk = leaf(x), leaf(r), leaf(w)
+    x64, r64, w64 = leaf(x.double()), leaf(r.double()), leaf(w.double())
+    y, h = fused_add_rms_norm(xk, rk, wk)
+    h_ref = x64 + r64
+    y_ref = torch.nn.functional.rms_norm(h_ref, (64,), w64, 1e-6)
+    assert y.shape == y_ref.shape and h.shape == h_ref.shape
+    (y.sum() + h.sum()).backward()
+    (y_ref.sum() + h_ref.sum()).backward()
+    assert xk.grad.shape == x64.grad.shape and rk.grad.shape == r64.grad.shape
+    assert torch.equal(wk.grad, w64.grad.float()) and torch.equal(wk.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("overwrite, residual_grad", [(False, True), (True, True), (False, False)],
+                         ids=["residual-grad", "overwrite-grad-output", "no-residual-grad"])
+def test_op_contract(device, overwrite, residual_grad):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation; with and
+    without a gradient for the residual output."""
+    x, r = (randn(3, 5, 48, dtype=torch.bfloat16, device=device).requires_grad_() for _ in range(2))
+    w = randn(48, dtype=torch.bfloat16, device=device).requires_grad_()
+
+    def fn(x, r, w):
+        y, h = fused_add_rms_norm(x, r, w, 1e-6, 1.0, "gemma", overwrite)
+        return (y, h) if residual_grad else y
+
+    assert_op_contract(fn, (x, r, w), expect_ops={"fused_add_rms_norm_forward", "fused_add_rms_norm_backward"})
 
 
 def test_backward_plan_is_persistent(profile):

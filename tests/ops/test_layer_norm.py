@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from onca import device as onca_device
 from onca.ops import layer_norm as op
 from onca.ops.layer_norm import layer_norm
+from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, non_contiguous, randn
 
 SHAPES = {
@@ -199,16 +200,52 @@ def test_bad_input(device):
         layer_norm(x, w, torch.ones(64, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="weight is on meta"):
         layer_norm(x, torch.empty(64, device="meta"))
-    with pytest.raises(ValueError, match="x is empty"):
-        layer_norm(randn(0, 64, device=device), w)
-    with pytest.raises(ValueError, match="x must have at least one dimension"):
+    with pytest.raises(ValueError, match="x must have a non-empty last dimension"):
         layer_norm(torch.tensor(1.0, device=device), None)
+    with pytest.raises(ValueError, match="x must have a non-empty last dimension"):
+        layer_norm(randn(4, 0, device=device), None)
+    with pytest.raises(TypeError, match="eps must be a number"):
+        layer_norm(x, w, eps="1e-5")
     with pytest.raises(ValueError, match="eps"):
         layer_norm(x, w, eps=float("nan"))
     with pytest.raises(ValueError, match="eps"):
         layer_norm(x, w, eps=-1.0)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         layer_norm([1.0, 2.0], w)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
+@pytest.mark.parametrize("affine", AFFINE)
+def test_empty_input_as_torch(device, shape, affine):
+    """No rows: torch's results, an empty output and input gradient and zero parameter gradients
+    (sums over no rows)."""
+    x = randn(*shape, device=device)
+    w, b = params(64, affine, torch.float32, device)
+    xk, wk, bk = (None if t is None else leaf(t) for t in (x, w, b))
+    y = layer_norm(xk, wk, bk)
+    ref, x64, w64, b64 = reference(x, w, b, 1e-5)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    y.sum().backward()
+    ref.sum().backward()
+    assert xk.grad.shape == x64.grad.shape
+    for got, expected in ((wk, w64), (bk, b64)):
+        if got is not None:
+            assert torch.equal(got.grad, expected.grad.float()) and not got.grad.any()
+
+
+@pytest.mark.parametrize("affine", AFFINE + ("bias",))
+def test_op_contract(device, affine):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation; with and
+    without weight and bias."""
+    x = randn(3, 5, 48, dtype=torch.bfloat16, device=device).requires_grad_()
+    w, b = params(48, "weight+bias", torch.bfloat16, device)
+    use_w, use_b = affine in ("weight+bias", "weight"), affine in ("weight+bias", "bias")
+
+    def fn(x, w, b):
+        return layer_norm(x, w if use_w else None, b if use_b else None, 1e-5)
+
+    inputs = (x, w.requires_grad_(use_w), b.requires_grad_(use_b))
+    assert_op_contract(fn, inputs, expect_ops={"layer_norm_forward", "layer_norm_backward"})
 
 
 def test_backward_plan_is_persistent(profile):

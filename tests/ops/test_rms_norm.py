@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from onca import device as onca_device
 from onca.ops import rms_norm as op
@@ -102,6 +103,27 @@ def test_wide_rows_on_every_profile(monkeypatch, device, name):
         onca_device.reset()
 
 
+@pytest.mark.parametrize("casting", CASTINGS)
+@pytest.mark.parametrize("tiled", [False, True], ids=["single-pass", "column-tiled"])
+def test_without_weight_matches_torch(device, onchip_bytes, casting, tiled):
+    """``weight=None`` (elementwise_affine=False): torch's rms_norm without a weight, in every mode
+    (there is no scale to round); the offset does not apply."""
+    cols = 1000 if tiled else BASE_SHAPE[-1]
+    if tiled:
+        assert op.plan((6, cols), torch.bfloat16, onchip_bytes(8192))["backward"].col_tiles > 1
+    x = randn(2, 3, cols, dtype=torch.bfloat16, device=device)
+    xk = leaf(x)
+    y = rms_norm(xk, None, 1e-5, 1.0, casting)
+    x64 = x.detach().to(torch.float64).requires_grad_(True)
+    ref = F.rms_norm(x64, (cols,), None, 1e-5)
+    assert y.dtype == x.dtype
+    assert_close(y, ref, x.dtype, "y")
+    dy = randn(*x.shape, dtype=x.dtype, device=device)
+    y.backward(dy)
+    ref.backward(dy.to(torch.float64))
+    assert_close(xk.grad, x64.grad, x.dtype, "dx")
+
+
 def test_fp32_weight_with_bf16_input(device):
     """Mixed precision: fp32 master weight, bf16 activations (autocast training)."""
     x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
@@ -167,24 +189,37 @@ def test_bad_input(device):
         rms_norm(x, w, eps="1e-6")
     with pytest.raises(TypeError, match="overwrite_grad_output must be a bool"):
         rms_norm(x, w, overwrite_grad_output="yes")
+    with pytest.raises(TypeError, match="offset must be a number"):
+        rms_norm(x, w, offset=None)
+    with pytest.raises(ValueError, match="x must have a non-empty last dimension"):
+        rms_norm(randn(4, 0, device=device), None)
 
 
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
-def test_empty_input_as_torch(device, shape):
-    """No rows (an MoE expert without tokens): an empty output and a zero weight gradient."""
-    x, w = leaf(randn(*shape, device=device)), leaf(randn(64, device=device))
-    y = rms_norm(x, w)
-    assert y.shape == x.shape
+@pytest.mark.parametrize("affine", [True, False], ids=["weight", "no-weight"])
+def test_empty_input_as_torch(device, shape, affine):
+    """No rows (an MoE expert without tokens): torch's results, an empty output and gradient and a
+    zero weight gradient (a sum over no rows)."""
+    x = randn(*shape, device=device)
+    w = randn(64, device=device) if affine else None
+    xk, wk = leaf(x), None if w is None else leaf(w)
+    x64, w64 = leaf(x.double()), None if w is None else leaf(w.double())
+    y, ref = rms_norm(xk, wk), F.rms_norm(x64, (64,), w64, 1e-6)
+    assert y.shape == ref.shape and y.dtype == x.dtype
     y.sum().backward()
-    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+    ref.sum().backward()
+    assert xk.grad.shape == x64.grad.shape
+    if affine:
+        assert torch.equal(wk.grad, w64.grad.float()) and torch.equal(wk.grad, torch.zeros_like(w))
 
 
-@pytest.mark.parametrize("overwrite", [False, True])
-def test_op_contract(device, overwrite):
+@pytest.mark.parametrize("overwrite, affine", [(False, True), (True, True), (False, False)],
+                         ids=["weight", "overwrite-grad-output", "no-weight"])
+def test_op_contract(device, overwrite, affine):
     """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation."""
     x = randn(3, 5, 48, dtype=torch.bfloat16, device=device).requires_grad_()
-    w = randn(48, dtype=torch.bfloat16, device=device).requires_grad_()
-    fn = lambda x, w: rms_norm(x, w, 1e-6, 1.0, "gemma", overwrite)  # noqa: E731
+    w = randn(48, dtype=torch.bfloat16, device=device).requires_grad_(affine)
+    fn = lambda x, w: rms_norm(x, w if affine else None, 1e-6, 1.0, "gemma", overwrite)  # noqa: E731
     assert_op_contract(fn, (x, w), expect_ops={"rms_norm_forward", "rms_norm_backward"})
 
 

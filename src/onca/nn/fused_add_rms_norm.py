@@ -20,8 +20,8 @@ class FusedAddRMSNorm(nn.Module):
 
     The options are ``onca.nn.RMSNorm``'s. Llama/Qwen/Mistral: the defaults. Gemma:
     ``offset=1.0, casting_mode="gemma", init_fn="zeros"``. The state dict holds ``weight`` alone,
-    so a Hugging Face RMSNorm's state dict loads unchanged. ``in_place=True`` lets the backward pass
-    write its gradient into the storage of the incoming gradient of ``normed``.
+    so a Hugging Face RMSNorm's state dict loads unchanged. ``overwrite_grad_output=True`` lets the
+    backward pass write its gradient into the storage of the incoming gradient of ``normed``.
     """
 
     def __init__(
@@ -31,7 +31,7 @@ class FusedAddRMSNorm(nn.Module):
         offset: float = 0.0,
         casting_mode: str = "llama",
         init_fn: str = "ones",
-        in_place: bool = False,
+        overwrite_grad_output: bool = False,
         device=None,
         dtype=None,
     ):
@@ -47,7 +47,7 @@ class FusedAddRMSNorm(nn.Module):
         self.offset = offset
         self.casting_mode = casting_mode
         self.init_fn = init_fn
-        self.in_place = in_place
+        self.overwrite_grad_output = overwrite_grad_output
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -67,11 +67,12 @@ class FusedAddRMSNorm(nn.Module):
         self, hidden_states: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_add_rms_norm(
-            hidden_states, residual, self.weight, self.eps, self.offset, self.casting_mode, self.in_place
+            hidden_states, residual, self.weight, self.eps, self.offset, self.casting_mode,
+            self.overwrite_grad_output,
         )
 
     def extra_repr(self) -> str:
         return (
             f"{self.hidden_size}, eps={self.eps}, offset={self.offset}, "
-            f"casting_mode={self.casting_mode!r}, in_place={self.in_place}"
+            f"casting_mode={self.casting_mode!r}, overwrite_grad_output={self.overwrite_grad_output}"
         )

@@ -5,9 +5,10 @@ affine transform in fp32, one rounding to the input dtype at the end. ``weight``
 optional (``elementwise_affine=False`` / ``bias=False``) and may have another floating dtype than
 ``x`` (an fp32 master weight with bf16 activations); the output has ``x``'s dtype.
 
-Saved for backward: the input ``x`` (the 2-D view the kernels read), the weight, and one fp32
-``mean`` and one fp32 ``rstd`` per row; the normalised row ``(x - mean) * rstd`` is recomputed in
-the backward pass rather than stored.
+Saved for backward: the input ``x`` (the 2-D view the kernels read), the weight, the bias (a
+reference kept for its gradient's dtype; its values are not read), and one fp32 ``mean`` and one
+fp32 ``rstd`` per row; the normalised row ``(x - mean) * rstd`` is recomputed in the backward pass
+rather than stored. Only the parameter gradients autograd asks for are computed.
 
 Each kernel has a single-pass path (a whole row, or several, in one tile) and a column-tiled path
 chosen by the plan when a row does not fit the on-chip budget. The single-pass forward centres the
@@ -27,19 +28,20 @@ registers and adds them to partial rows it shares with at most one other program
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
-from onca.ops._rows import as_rows
-from onca.ops._validate import check_float, check_nonempty, check_same_device
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._partials import accumulate_partial, partial_row
+from onca.ops._row_norm import launch_backward, launch_forward
+from onca.ops._rows import as_rows, rows_cols
+from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["layer_norm", "LayerNormFunction", "plan"]
+__all__ = ["layer_norm", "plan"]
 
 # Live tiles of each kernel, counted as the planner expects: tiles in the input dtype, fp32 tiles.
 FORWARD_TILES = dict(live_tiles=4, fp32_tiles=2)  # x, w, b, y; x - mean and y in fp32
@@ -132,8 +134,9 @@ def _layer_norm_forward_kernel(
 
 @triton.jit
 def _layer_norm_backward_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, c_ptr,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride,
+    dw_partial_ptr, db_partial_ptr, c_ptr,
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
@@ -257,96 +260,108 @@ def _layer_norm_backward_kernel(
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The forward and backward plans for an input of ``shape`` (``(..., hidden)``)."""
-    rows, cols = _rows_cols(shape)
+    rows, cols = rows_cols(shape)
     return {
         "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
         "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
     }
 
 
-def _rows_cols(shape) -> tuple[int, int]:
-    shape = tuple(int(s) for s in shape)
-    return math.prod(shape[:-1]), shape[-1]
-
-
-def layer_norm_forward(x2d: torch.Tensor, weight, bias, eps: float):
-    rows, cols = x2d.shape
-    p = plan_rows(rows, cols, x2d.dtype, **FORWARD_TILES)
-    y = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
-    mean = torch.empty(rows, dtype=torch.float32, device=x2d.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x2d.device)
+@custom_op("layer_norm_forward")
+def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                       eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` for the 2-D ``x``; ``mean`` and ``rstd`` are fp32, one per row."""
+    rows, cols = x.shape
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, mean, rstd
     # An absent weight or bias is never read (HAS_WEIGHT / HAS_BIAS); x stands in for its pointer.
-    _layer_norm_forward_kernel[(p.grid,)](
-        x2d, x2d if weight is None else weight, x2d if bias is None else bias, y, mean, rstd,
-        rows, cols, x2d.stride(0), y.stride(0), eps,
+    launch_forward(
+        _layer_norm_forward_kernel,
+        (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd,
+         rows, cols, x.stride(0), y.stride(0), eps),
+        rows, cols, x.dtype, FORWARD_TILES,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-        num_warps=p.num_warps,
     )
     return y, mean, rstd
 
 
-def layer_norm_backward(dy2d, x2d, weight, mean, rstd, compute_dw: bool, compute_db: bool):
-    """``dx`` and the fp32 partial-sum rows of ``dW`` and ``dB`` (empty where not computed), to be
-    reduced with ``sum_partials``."""
-    rows, cols = x2d.shape
-    p = plan_rows(rows, cols, x2d.dtype, persistent=True, **BACKWARD_TILES)
-    dx = torch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
-    # Zeroed partial-sum rows (see onca.ops._partials); a gradient not asked for gets an empty
-    # placeholder, never read or written.
-    placeholder = torch.empty(0, dtype=torch.float32, device=x2d.device)
-    dw_partial = partial_buffer(p.grid, cols, x2d.device) if compute_dw else placeholder
-    db_partial = partial_buffer(p.grid, cols, x2d.device) if compute_db else placeholder
-    # The column-tiled path keeps each row's mean(g * xhat) and mean(g) between its two phases.
-    c = rstd if p.single_pass else torch.empty(2 * rows, dtype=torch.float32, device=x2d.device)
-    _layer_norm_backward_kernel[(p.grid,)](
-        dy2d, x2d, x2d if weight is None else weight, mean, rstd, dx, dw_partial, db_partial, c,
-        rows, cols, dy2d.stride(0), x2d.stride(0), dx.stride(0),
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-        num_warps=p.num_warps,
-    )
-    return dx, dw_partial, db_partial
+@layer_norm_forward.register_fake
+def _(x, weight, bias, eps):
+    stat = x.new_empty(x.shape[0], dtype=torch.float32)
+    return torch.empty_like(x), stat, torch.empty_like(stat)
+
+
+@custom_op("layer_norm_backward")
+def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
+                        rstd: Tensor, compute_dw: bool, compute_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)``; a parameter gradient not computed is empty. ``bias`` is read for its
+    dtype only (the backward does not need its values)."""
+    rows, cols = x.shape
+    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    dw_dtype = weight.dtype if compute_dw else None
+    db_dtype = bias.dtype if compute_db else None
+    if rows == 0:
+        # A sum over no rows: zero, as torch's.
+        dw, db = (None if d is None else torch.zeros(cols, dtype=d, device=x.device)
+                  for d in (dw_dtype, db_dtype))
+    else:
+        dw, db = launch_backward(
+            _layer_norm_backward_kernel,
+            (dy, x, x if weight is None else weight, mean, rstd, dx,
+             rows, cols, dy.stride(0), x.stride(0), dx.stride(0)),
+            rows, cols, x.dtype, BACKWARD_TILES,
+            # The column-tiled path keeps each row's mean(g * xhat) and mean(g) between its phases.
+            grad_dtypes=(dw_dtype, db_dtype), row_stats=2, stand_in=rstd,
+            HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        )
+    return dx, _or_empty(dw, x), _or_empty(db, x)
+
+
+def _or_empty(grad: Tensor | None, x: Tensor) -> Tensor:
+    return x.new_empty(0) if grad is None else grad
+
+
+@layer_norm_backward.register_fake
+def _(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
+    dw = torch.empty_like(weight) if compute_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if compute_db else x.new_empty(0)
+    return torch.empty_like(x), dw, db
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """Autograd wrapper. Saves ``x`` (the 2-D view the kernels read), ``weight``, and fp32 ``mean``
-    and ``rstd`` per row; the bias is not needed by the backward pass and is not saved."""
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    # The bias is saved for its dtype (the gradient's); the backward never reads its values.
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        _validate(x, weight, bias, eps)
-        x2d = as_rows(x)
-        weight = None if weight is None else weight.contiguous()
-        bias = None if bias is None else bias.contiguous()
-        y, mean, rstd = layer_norm_forward(x2d, weight, bias, float(eps))
-        ctx.save_for_backward(x2d, weight, mean, rstd)
-        ctx.x_shape = x.shape
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.view(x.shape)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, weight, mean, rstd = ctx.saved_tensors
-        dy2d = as_rows(dy.reshape(-1, dy.shape[-1]))
-        compute_dw = weight is not None and ctx.needs_input_grad[1]
-        compute_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        dx, dw_partial, db_partial = layer_norm_backward(
-            dy2d, x2d, weight, mean, rstd, compute_dw, compute_db
-        )
-        dw = sum_partials(dw_partial, weight.dtype) if compute_dw else None
-        db = sum_partials(db_partial, ctx.bias_dtype) if compute_db else None
-        return dx.view(ctx.x_shape), dw, db, None
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    compute_dw = weight is not None and ctx.needs_input_grad[1]
+    compute_db = bias is not None and ctx.needs_input_grad[2]
+    dx, dw, db = layer_norm_backward(as_rows(dy), x, weight, bias, mean, rstd, compute_dw, compute_db)
+    return dx, dw if compute_dw else None, db if compute_db else None, None
+
+
+register_autograd(layer_norm_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
 
 
 def _validate(x, weight, bias, eps) -> None:
     check_float(x, "x")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the normalised one), got a scalar")
-    check_nonempty(x, "x")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(
+            f"x must have a non-empty last dimension (the normalised one), got shape {tuple(x.shape)}"
+        )
     hidden = x.shape[-1]
     for t, name in ((weight, "weight"), (bias, "bias")):
         if t is None:
@@ -357,11 +372,24 @@ def _validate(x, weight, bias, eps) -> None:
                 f"{name} must be 1-D of x's last dimension ({hidden},), got shape {tuple(t.shape)}"
             )
         check_same_device(t, name, x, "x")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite non-negative number, got {eps!r}")
+    check_number(eps, "eps", minimum=0.0)
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5):
-    """LayerNorm over the last dimension of ``x`` (any leading shape). See the module docstring."""
-    return LayerNormFunction.apply(x, weight, bias, eps)
+def layer_norm(
+    x: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """LayerNorm over the last dimension: ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
+    ``torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)`` with Onca's kernels:
+    biased variance, fp32 statistics and affine transform, one rounding to ``x``'s dtype.
+    ``weight`` and ``bias`` may be None; they may be fp32 with bf16/fp16 ``x``. ``x`` may have any
+    leading shape, including no rows.
+    """
+    _validate(x, weight, bias, eps)
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y, _, _ = layer_norm_forward(as_rows(x), weight, bias, float(eps))
+    return y.view(x.shape)

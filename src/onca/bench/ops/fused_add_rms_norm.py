@@ -22,8 +22,9 @@ def make_inputs(p, dtype, device):
 def onca(p, inputs):
     from onca.ops.fused_add_rms_norm import fused_add_rms_norm
 
-    # in_place backward, as for liger-kernel: the gradient is written over the incoming one.
-    return lambda: fused_add_rms_norm(inputs["x"], inputs["residual"], inputs["w"], EPS, 0.0, "llama", True)
+    # The gradient written over the incoming one, as liger-kernel's in_place does.
+    return lambda: fused_add_rms_norm(inputs["x"], inputs["residual"], inputs["w"], EPS, 0.0, "llama",
+                                      overwrite_grad_output=True)
 
 
 def reference(p, inputs):
@@ -55,8 +56,8 @@ def bytes_moved(p, dtype, mode):
 # Peak bytes per element of x, beyond x and residual (and the two output gradients for backward
 # modes), in units of the input's element size; fp32 intermediates count as two.
 _PER_ELEMENT = {
-    # y and h (h is saved for backward); backward writes its gradient over dy (in_place) and keeps
-    # one row of fp32 partials per program.
+    # y and h (h is saved for backward); backward writes its gradient over dy
+    # (overwrite_grad_output) and keeps one row of fp32 partials per program.
     "onca": {"forward": 3, "backward": 5, "full": 5},
     "liger": {"forward": 3, "backward": 5, "full": 5},
     # eager: h, its fp32 upcast, the square, the normalised fp32 row, its cast and y; saved for

@@ -19,8 +19,8 @@ def make_inputs(p, dtype, device):
 def onca(p, inputs):
     from onca.ops.rms_norm import rms_norm
 
-    # in_place backward, as liger-kernel's default: dx is written over the incoming gradient.
-    return lambda: rms_norm(inputs["x"], inputs["w"], EPS, 0.0, "llama", True)
+    # dx written over the incoming gradient, as liger-kernel's default (in_place) does.
+    return lambda: rms_norm(inputs["x"], inputs["w"], EPS, 0.0, "llama", overwrite_grad_output=True)
 
 
 def reference(p, inputs):
@@ -48,7 +48,7 @@ def bytes_moved(p, dtype, mode):
 
 # Peak bytes per element of x, inputs included (x, and dy for backward modes).
 _PER_ELEMENT = {
-    # y; backward writes dx over dy (in_place) and keeps one row of fp32 partials per program.
+    # y; backward writes dx over dy (overwrite_grad_output) and keeps one row of fp32 partials per program.
     "onca": {"forward": 2, "backward": 3, "full": 3},
     "liger": {"forward": 2, "backward": 3, "full": 3},
     # eager: fp32 upcast, its square, the normalised fp32 row, the bf16 cast, and y; saved for

@@ -1,0 +1,50 @@
+"""The launch sequence the row norms share (RMSNorm, fused add + RMSNorm, LayerNorm).
+
+Their kernels differ, their launches do not: the forward plans a ``(rows, cols)`` grid and launches;
+the backward plans a persistent grid, zeroes one partial-sum buffer per parameter gradient (see
+``onca.ops._partials``), gives the column-tiled path its per-row scratch, launches, and sums the
+partial rows. A kernel takes its plan as the constexprs ``BLOCK_ROWS``, ``BLOCK_COLS`` and
+``COL_TILES``; a backward kernel's last pointer arguments are its partial buffers, in the order of
+``grad_dtypes``, then the scratch.
+
+Callers launch only with at least one row and one column (a plan of nothing is an error, and a
+zero-size grid is never launched).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onca.ops._partials import partial_buffer, sum_partials
+from onca.tiling import RowPlan, plan_rows
+
+__all__ = ["launch_backward", "launch_forward"]
+
+
+def _plan_constexprs(p: RowPlan) -> dict:
+    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
+            "num_warps": p.num_warps}
+
+
+def launch_forward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, **constexprs) -> None:
+    """Launch a row-norm forward ``kernel(*args)`` over ``rows x cols`` of ``dtype``."""
+    p = plan_rows(rows, cols, dtype, **tiles)
+    kernel[(p.grid,)](*args, **constexprs, **_plan_constexprs(p))
+
+
+def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, *,
+                    grad_dtypes, row_stats: int, stand_in: torch.Tensor, **constexprs) -> list:
+    """Launch a row-norm backward ``kernel(*args, *partials, scratch)``; return its parameter
+    gradients, one per entry of ``grad_dtypes`` stored in that dtype (None where the entry is None:
+    that gradient is not computed, and the kernel gets ``stand_in`` for its buffer).
+
+    ``row_stats``: how many fp32 values per row the column-tiled path keeps between its two phases.
+    ``stand_in``: an fp32 tensor on the device, passed for any buffer this plan never touches.
+    """
+    p = plan_rows(rows, cols, dtype, persistent=True, **tiles)
+    device = stand_in.device
+    partials = [stand_in if d is None else partial_buffer(p.grid, cols, device) for d in grad_dtypes]
+    scratch = (stand_in if p.single_pass
+               else torch.empty(row_stats * rows, dtype=torch.float32, device=device))
+    kernel[(p.grid,)](*args, *partials, scratch, **constexprs, **_plan_constexprs(p))
+    return [None if d is None else sum_partials(buf, d) for buf, d in zip(partials, grad_dtypes)]
