@@ -35,8 +35,6 @@ def make_rms_norm_forward(family: Family):
 def layer_norm_forward(self, input):
     if len(self.normalized_shape) != 1:  # Onca normalises the last dimension only
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
-    if self.weight is None:
-        return F.layer_norm(input, self.normalized_shape, None, self.bias, self.eps)
     return OF.layer_norm(input, self.weight, self.bias, self.eps)
 
 
