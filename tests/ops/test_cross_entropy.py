@@ -280,9 +280,13 @@ def test_overwrite_logits_twice(device, reduction):
         loss.backward(torch.tensor(3.0), retain_graph=True)
         assert_close(base.grad, 3 * ref.grad, torch.float32, "dlogits x3")
     else:
+        per_token = torch.rand_like(loss) + 0.5
         base.grad = None
-        loss.backward(2 * g, retain_graph=True)
-        assert_close(base.grad, 2 * ref.grad, torch.float32, "dlogits x2")
+        loss.backward(per_token, retain_graph=True)
+        assert_close(base.grad, per_token[:, None] * ref.grad, torch.float32, "dlogits per token")
+        base.grad = None
+        loss.sum().backward(retain_graph=True)  # an expanded (stride 0) per-token gradient
+        assert_close(base.grad, ref.grad, torch.float32, "dlogits x1")
 
 
 def test_overwrite_logits_catches_saved_logits(device):

@@ -393,6 +393,31 @@ def test_out_of_range_target_is_nan_not_a_bad_read(device):
     assert torch.isnan(fused_linear_cross_entropy(h, w, t))
 
 
+def test_compiled_after_a_checkpointed_layer_is_one_graph(device):
+    """The reported GPU failure's setting (torch.compile + gradient checkpointing, ignored tokens):
+    the op is one opaque node, so Dynamo never traces into its chunk loop (the old autograd
+    Function synchronised and gathered, and Dynamo compiled its insides piecewise around those
+    breaks). fullgraph=True would raise on any break; the result equals eager."""
+    tokens, hidden, vocab = 12, 16, 50
+    layer = torch.nn.Linear(hidden, hidden).to(device)
+    h, w, _, t = make_inputs((tokens, hidden, vocab), torch.float32, device)
+
+    def step(x, weight, target):
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return fused_linear_cross_entropy(y.view(3, 4, hidden), weight, target.view(3, 4), chunk_tokens=5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        x, wk = leaf(h), leaf(w)
+        loss = fn(x, wk, t)
+        loss.backward()
+        results.append((loss, x.grad, wk.grad))
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("reduction,bias", [("mean", True), ("none", False)])
 def test_op_contract(device, reduction, bias):
     """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation."""

@@ -425,12 +425,12 @@ def scale_forward_gradient(grad: Tensor, grad_output: Tensor, applied: Tensor | 
         return out
     x2d = grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1)
     o2d = out.view(x2d.shape)
-    g = grad_output.reshape(-1)
+    g = grad_output.reshape(-1).contiguous()  # an expanded gradient (stride 0) read like ``applied``
     rows, cols = x2d.shape
     p = plan_rows(rows, cols, grad.dtype, **RESCALE_TILES)
     _rescale_kernel[(p.grid,)](
         x2d, o2d, g, applied if applied is not None else g,
-        rows, cols, x2d.stride(0), o2d.stride(0), 0 if grad_output.dim() == 0 else g.stride(0),
+        rows, cols, x2d.stride(0), o2d.stride(0), 0 if grad_output.dim() == 0 else 1,
         HAS_APPLIED=applied is not None, SKIP_UNCHANGED=in_place,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
