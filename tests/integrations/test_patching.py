@@ -89,6 +89,18 @@ def test_num_items_in_batch_sums_then_divides(device):
     onca.unapply(model)
 
 
+def test_fully_masked_batch_gives_zero_loss_not_nan(device):
+    """Every label ignored (a prompt-only micro-batch): the unpatched model's mean is NaN; the patched
+    loss is 0 with zero gradients, so a training run goes on."""
+    model = onca.apply(_model("qwen3", device)).train()
+    x = torch.randint(0, 256, (2, 10), device=device)
+    loss = model(input_ids=x, labels=torch.full_like(x, -100)).loss
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.grad is not None)
+    onca.unapply(model)
+
+
 def test_apply_to_patches_classes_before_construction(device):
     family = family_of("mistral")
     modeling = family.modeling()

@@ -37,10 +37,10 @@ def test_matches_torch_module(device, kwargs, dtype):
     assert_close(xo.grad, xr.grad, dtype, "dlogits")
 
 
-def test_extras_and_in_place(device):
+def test_extras_and_overwrite_logits(device):
     x = randn(N, C, device=device, std=2.0)
     t = _target(device)
-    m = onca.nn.CrossEntropyLoss(lse_square_scale=1e-3, softcap=20.0, return_z_loss=True, in_place_backward=True)
+    m = onca.nn.CrossEntropyLoss(lse_square_scale=1e-3, softcap=20.0, return_z_loss=True, overwrite_logits=True)
     base = leaf(x)
     loss, z = m(base.clone(), t)
     expected, z_expected = onca.functional.cross_entropy(x, t, lse_square_scale=1e-3, softcap=20.0,
@@ -48,7 +48,7 @@ def test_extras_and_in_place(device):
     assert torch.equal(loss, expected) and torch.equal(z, z_expected)
     loss.backward()
     assert base.grad is not None and torch.isfinite(base.grad).all()
-    assert "softcap=20.0" in repr(m) and "in_place_backward=True" in repr(m)
+    assert "softcap=20.0" in repr(m) and "overwrite_logits=True" in repr(m)
 
 
 def test_legacy_reduction_arguments():

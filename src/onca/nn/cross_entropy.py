@@ -22,16 +22,16 @@ class CrossEntropyLoss(nn.Module):
 
     Same constructor as torch's (``weight`` must be None: per-class weights are not supported),
     plus ``lse_square_scale`` (z-loss), ``softcap`` (Gemma 2 logit soft-capping),
-    ``return_z_loss`` (``forward`` returns ``(loss, z_loss)``) and ``in_place_backward`` (the
+    ``return_z_loss`` (``forward`` returns ``(loss, z_loss)``) and ``overwrite_logits`` (the
     gradient is written over the logits in the forward pass; the logits are destroyed).
     The vocabulary is the last dimension (torch puts classes at dim 1 for inputs of more than two
     dimensions); with 2-D ``(N, C)`` inputs the two agree. All ignored under ``reduction="mean"``
-    gives 0.0, where torch gives NaN.
+    gives NaN, as torch.
     """
 
     def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
                  reduction: str = "mean", label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
-                 softcap: float | None = None, return_z_loss: bool = False, in_place_backward: bool = False):
+                 softcap: float | None = None, return_z_loss: bool = False, overwrite_logits: bool = False):
         super().__init__()
         if weight is not None:
             raise ValueError("weight (per-class loss weights) is not supported by onca.nn.CrossEntropyLoss; "
@@ -44,11 +44,11 @@ class CrossEntropyLoss(nn.Module):
         self.lse_square_scale = lse_square_scale
         self.softcap = softcap
         self.return_z_loss = return_z_loss
-        self.in_place_backward = in_place_backward
+        self.overwrite_logits = overwrite_logits
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.reduction,
-                             self.lse_square_scale, self.softcap, self.return_z_loss, self.in_place_backward)
+                             self.lse_square_scale, self.softcap, self.return_z_loss, self.overwrite_logits)
 
     def extra_repr(self) -> str:
         extras = f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}"
@@ -56,6 +56,6 @@ class CrossEntropyLoss(nn.Module):
             extras += f", lse_square_scale={self.lse_square_scale}"
         if self.softcap is not None:
             extras += f", softcap={self.softcap}"
-        if self.in_place_backward:
-            extras += ", in_place_backward=True"
+        if self.overwrite_logits:
+            extras += ", overwrite_logits=True"
         return extras

@@ -8,10 +8,12 @@ Per token ``i`` with target ``y`` (tokens whose target is ``ignore_index`` contr
 
 with ``eps = label_smoothing``; this is ``torch.nn.functional.cross_entropy`` plus the PaLM z-loss
 (``lse_square_scale``). ``reduction="mean"`` divides the sum by the number of non-ignored tokens,
-as torch does. When every token is ignored, torch's mean is ``0 / 0 = NaN``; Onca returns ``0.0``
-instead (the gradient is zero in both), so that a fully masked micro-batch cannot poison a training
-run with a NaN loss. ``return_z_loss=True`` also returns the z-loss term alone (reduced the same
-way, for logging: it is already part of the loss and takes no gradient of its own).
+counted on the device, as torch does: with every token ignored (or no tokens at all) the mean is
+``0 / 0 = NaN`` and the gradient is zero, as in torch. ``return_z_loss=True`` also returns the
+z-loss term alone (reduced the same way, for logging: it is already part of the loss and takes no
+gradient of its own). A target outside ``[0, vocab)`` that is not ``ignore_index`` is never read
+through: that token's loss and gradient are NaN (checked in the kernel, with no host
+synchronisation), so the loss shows the bad label.
 
 Gradient (per token, before the reduction's scale)::
 
@@ -24,19 +26,21 @@ the on-chip budget (the plan splits it into column tiles), one pass computes the
 sum of exponentials, the next writes the gradient; where it fits, one load serves both. The target
 logit is gathered with one scalar load per row, and ignored tokens load nothing.
 
-Two ways to get the gradient, chosen by ``in_place_backward``:
+Two ways to get the gradient, chosen by ``overwrite_logits``:
 
 - ``False`` (default, the caller's logits are never modified): the forward pass reads the logits
   once (loss and one fp32 ``lse`` per token) and saves the logits, the targets and ``lse``; the
   backward pass reads the logits once more and writes the gradient, already scaled by the
   incoming gradient, into a new tensor.
-- ``True``: the forward pass writes the gradient over the logits themselves (liger-kernel's
-  trick), so no second logits-sized buffer ever exists; nothing but that buffer is kept for
-  backward, which only rescales it when the incoming gradient is not 1. The caller's logits hold
+- ``True``: the forward pass computes the gradient (liger-kernel's trick) and, on the eager route,
+  writes it over the logits themselves, so no second logits-sized buffer ever exists; nothing but
+  that buffer is kept for backward, which rescales it in place by the incoming gradient (a kernel
+  that reads the scale on the device and touches nothing when it is 1). The caller's logits hold
   the gradient afterwards (their autograd version is bumped, so a graph that saved them fails
   loudly instead of silently using gradients as logits). Use it for logits that are a temporary
   activation, as in a causal LM's loss; logits that are not row-contiguous are copied first and
-  the copy is overwritten instead. When the logits do not require grad nothing is written.
+  the copy is overwritten instead. When the logits do not require grad nothing is written. Traced
+  (``torch.compile``), the gradient goes into a buffer of its own: compiled graphs mutate nothing.
 
 The loss has the logits' dtype (as torch's); per-token losses are accumulated in fp32.
 """
@@ -46,13 +50,23 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._validate import check_float, check_index, check_nonempty, check_same_device, check_tensor
+from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._rows import as_rows, rows_cols
+from onca.ops._validate import (
+    check_bool,
+    check_float,
+    check_index,
+    check_number,
+    check_same_device,
+    check_tensor,
+)
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["cross_entropy", "CrossEntropyFunction", "REDUCTIONS", "plan", "cross_entropy_rows",
-           "validate_options", "count_targets", "ForwardGradients"]
+__all__ = ["cross_entropy", "REDUCTIONS", "plan", "cross_entropy_rows", "validate_options", "check_target",
+           "reduce_rows", "scale_forward_gradient", "ForwardGradients"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -61,6 +75,8 @@ REDUCTIONS = ("none", "mean", "sum")
 # (fp32). Counting fewer lets the GPU plan put 16 elements per thread in 16 warps, which caps a
 # thread at 128 registers and spills (tools/sm90_compile.py shows it).
 TILES = dict(live_tiles=2, fp32_tiles=4)
+# The rescaling kernel: the tile as loaded and as stored, and its fp32 product.
+RESCALE_TILES = dict(live_tiles=2, fp32_tiles=1)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -109,7 +125,7 @@ def _gradient(p, x, cols, y, scale, z_factor, smooth_eps, target_weight, softcap
 def _cross_entropy_kernel(
     x_ptr, target_ptr, grad_ptr, loss_ptr, lse_ptr, scale_ptr,
     n_rows, n_cols, x_row_stride, grad_row_stride, scale_stride,
-    ignore_index, label_smoothing, lse_square_scale, softcap, grad_scale,
+    ignore_index, label_smoothing, lse_square_scale, softcap,
     COMPUTE_LSE: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -126,10 +142,12 @@ def _cross_entropy_kernel(
     - ``COMPUTE_LSE`` and ``WRITE_GRAD``: loss, lse and the gradient (forward with gradient);
     - ``WRITE_GRAD`` alone: the gradient from a saved ``lse`` (deferred backward).
 
-    The gradient of row ``r`` is scaled by ``grad_scale`` (e.g. ``1 / n`` for a mean) times
-    ``scale_ptr[r * scale_stride]`` when ``HAS_SCALE`` (the incoming gradient: stride 0 for a
-    scalar, 1 per token). ``grad_ptr`` may be ``x_ptr``: each program reads a tile before it
-    writes that tile, and no other program touches the row.
+    The gradient of row ``r`` is scaled by ``scale_ptr[r * scale_stride]`` when ``HAS_SCALE`` (stride
+    0 for a scalar such as ``1 / n`` of a mean, 1 per token). ``grad_ptr`` may be ``x_ptr``: each
+    program reads a tile before it writes that tile, and no other program touches the row.
+
+    A target outside ``[0, n_cols)`` that is not ``ignore_index`` is never used as an offset: its
+    row's loss and gradient are NaN, so that a bad label shows in the loss without a host check.
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -142,8 +160,9 @@ def _cross_entropy_kernel(
         row_mask = rows < n_rows
         y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
         valid = row_mask & (y != ignore_index)
+        bad = valid & ((y < 0) | (y >= n_cols))
         # Class indices fit int32 (the vocabulary does): compared per element in 32 bits.
-        y = tl.where(valid, y, 0).to(tl.int32)
+        y = tl.where(valid & ~bad, y, 0).to(tl.int32)
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
 
@@ -179,7 +198,8 @@ def _cross_entropy_kernel(
                 d = tl.where(valid, d, 1.0)
             lse = tl.where(valid, m + tl.log(d), 0.0)
             # The target's logit: one scalar load per row, before any gradient overwrites it.
-            x_y = tl.load(x_ptr + rows64 * x_row_stride + y.to(tl.int64), mask=valid, other=0.0).to(tl.float32)
+            x_y = tl.load(x_ptr + rows64 * x_row_stride + y.to(tl.int64), mask=valid & ~bad, other=0.0)
+            x_y = x_y.to(tl.float32)
             x_y = _capped(x_y, softcap, HAS_SOFTCAP)
             if HAS_SMOOTHING:
                 loss = lse - target_weight * x_y - smooth_eps * x_sum
@@ -187,7 +207,8 @@ def _cross_entropy_kernel(
                 loss = lse - x_y
             if HAS_Z:
                 loss += lse_square_scale * lse * lse
-            tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
+            loss = tl.where(bad, float("nan"), tl.where(valid, loss, 0.0))
+            tl.store(loss_ptr + rows, loss, mask=row_mask)
             tl.store(lse_ptr + rows, lse, mask=row_mask)
         else:
             lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
@@ -197,10 +218,11 @@ def _cross_entropy_kernel(
             if COMPUTE_LSE:
                 # The gradient may overwrite the logits: every thread's read of x_y comes first.
                 tl.debug_barrier()
-            scale = tl.where(valid, grad_scale, 0.0)
+            scale = tl.where(valid, 1.0, 0.0)
             if HAS_SCALE:
                 s = tl.load(scale_ptr + rows * scale_stride, mask=valid, other=0.0)
                 scale = scale * s.to(tl.float32)
+            scale = tl.where(bad, float("nan"), scale)
             z_factor = tl.zeros([BLOCK_ROWS], dtype=tl.float32) + 1.0
             if HAS_Z:
                 z_factor = 1.0 + 2.0 * lse_square_scale * lse
@@ -229,119 +251,218 @@ def _cross_entropy_kernel(
                              mask=row_mask[:, None] & col_mask[None, :])
 
 
+
+@triton.jit
+def _rescale_kernel(
+    x_ptr, out_ptr, g_ptr, applied_ptr,
+    n_rows, n_cols, x_row_stride, out_row_stride, g_stride,
+    HAS_APPLIED: tl.constexpr,
+    SKIP_UNCHANGED: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    """``out = x * g / applied`` per row (``g_ptr[r * g_stride]``: stride 0 for a scalar), in fp32.
+
+    With ``SKIP_UNCHANGED`` (``out`` is ``x``) rows whose factor is exactly 1 are neither read nor
+    written: a loss's incoming gradient is usually 1, and then this costs nothing.
+    """
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        factor = tl.load(g_ptr + rows * g_stride, mask=row_mask, other=1.0).to(tl.float32)
+        if HAS_APPLIED:
+            factor = factor / tl.load(applied_ptr + rows * g_stride, mask=row_mask, other=1.0)
+        if SKIP_UNCHANGED:
+            row_mask = row_mask & (factor != 1.0)
+        rows64 = rows.to(tl.int64)[:, None]
+        for tile in range(COL_TILES):
+            cols = tile * BLOCK_COLS + col_offsets
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
+            y = x.to(tl.float32) * factor[:, None]
+            tl.store(out_ptr + rows64 * out_row_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+
 # --------------------------------------------------------------------------------------- launchers
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The kernel's plan for logits of ``shape`` (``(..., vocab)``). Forward (loss, and the gradient
-    when it is written in place) and deferred backward launch the same kernel with the same plan."""
-    shape = tuple(int(s) for s in shape)
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    p = plan_rows(rows, shape[-1], dtype, profile=profile, **TILES)
+    when it is computed there) and deferred backward launch the same kernel with the same plan."""
+    rows, cols = rows_cols(shape)
+    p = plan_rows(rows, cols, dtype, profile=profile, **TILES)
     return {"forward": p, "backward": p}
 
 
 def cross_entropy_rows(
-    x: torch.Tensor,
-    target: torch.Tensor,
+    x: Tensor,
+    target: Tensor,
     *,
     ignore_index: int,
-    label_smoothing: float = 0.0,
-    lse_square_scale: float = 0.0,
-    softcap: float | None = None,
-    compute_lse: bool = True,
-    grad: torch.Tensor | None = None,
-    grad_scale: float = 1.0,
-    scale: torch.Tensor | None = None,
-    loss: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-):
-    """Launch the kernel over the rows of ``x`` (``(rows, vocab)``, unit column stride).
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    compute_lse: bool,
+    loss: Tensor | None,
+    lse: Tensor,
+    grad: Tensor | None = None,
+    scale: Tensor | None = None,
+) -> None:
+    """Launch the kernel over the rows of ``x`` (``(rows, vocab)``, unit column stride, rows >= 1).
 
-    Returns ``(loss, lse)`` per row in fp32 (``loss`` is ``None`` when ``compute_lse`` is off and
-    ``lse`` is then read, not written). When ``grad`` is given (it may be ``x`` itself), the
-    gradient scaled by ``grad_scale`` and, per row, by ``scale`` (a 0-d or ``(rows,)`` tensor) is
-    written into it. No validation here: callers validate at their Function boundary.
+    With ``compute_lse`` it writes the fp32 ``loss`` and ``lse`` of each row, else it reads ``lse``.
+    When ``grad`` is given (it may be ``x`` itself), the gradient, scaled per row by ``scale`` (a
+    0-d or ``(rows,)`` tensor on the device) when given, is written into it. ``softcap`` 0 is none.
+    No validation here: the public functions validate.
     """
     rows, cols = x.shape
     p = plan_rows(rows, cols, x.dtype, **TILES)
-    if compute_lse:
-        loss = torch.empty(rows, dtype=torch.float32, device=x.device) if loss is None else loss
-        lse = torch.empty(rows, dtype=torch.float32, device=x.device) if lse is None else lse
-    elif lse is None:
-        raise ValueError("cross_entropy_rows: lse is required when compute_lse is False")
     write_grad = grad is not None
     scale_stride = 0 if scale is None or scale.dim() == 0 else scale.stride(0)
     _cross_entropy_kernel[(p.grid,)](
         x, target, grad if write_grad else x, loss if compute_lse else lse, lse,
         scale if scale is not None else lse,
         rows, cols, x.stride(0), grad.stride(0) if write_grad else 0, scale_stride,
-        int(ignore_index), float(label_smoothing), float(lse_square_scale),
-        float(softcap) if softcap is not None else 1.0, float(grad_scale),
-        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, HAS_SOFTCAP=softcap is not None,
+        ignore_index, label_smoothing, lse_square_scale, softcap if softcap else 1.0,
+        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, HAS_SOFTCAP=softcap != 0.0,
         HAS_SMOOTHING=label_smoothing > 0, HAS_Z=lse_square_scale != 0, HAS_SCALE=scale is not None,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
-    return (loss if compute_lse else None), lse
 
 
-def count_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target") -> int:
-    """How many targets are not ``ignore_index``; raises ``ValueError`` (naming ``name``) if any other
-    target is outside ``[0, n_classes)``. One host synchronisation for both answers."""
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= n_classes))
-    n_valid, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()
-    if n_bad:
-        first = target[bad][0].item()
-        raise ValueError(
-            f"{name} has {n_bad} class indices outside [0, {n_classes}) (e.g. {first}) that are not "
-            f"ignore_index={ignore_index}"
-        )
-    return int(n_valid)
+def count_targets(target: Tensor, ignore_index: int) -> Tensor:
+    """How many targets are not ``ignore_index``: a 0-d tensor on the device (no synchronisation)."""
+    return (target != ignore_index).sum()
 
 
-def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: int) -> torch.Tensor:
-    """Per-row fp32 values reduced as torch reduces a loss (mean over the non-ignored rows)."""
+def reduce_rows(per_row: Tensor, reduction: str, n_valid: Tensor) -> Tensor:
+    """Per-row fp32 values reduced as torch reduces a loss (a mean over ``n_valid``, NaN when 0)."""
     if reduction == "none":
         return per_row
     total = per_row.sum()
+    return total / n_valid if reduction == "mean" else total
+
+
+@custom_op("cross_entropy_forward")
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+                          lse_square_scale: float, softcap: float, reduction: str, gradient_in_forward: bool,
+                          overwrite_logits: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z_loss, lse, grad)`` of the 2-D ``logits``: ``loss`` and ``z_loss`` reduced, in the
+    logits' dtype; ``lse`` fp32 per row. With ``gradient_in_forward`` the gradient for a unit
+    incoming gradient is computed too: into ``grad``, or (``overwrite_logits``, eager route only)
+    over the logits, ``grad`` then being empty."""
+    rows, vocab = logits.shape
+    keep_grad = gradient_in_forward and not overwrite_logits
+    grad = logits.new_empty((rows, vocab) if keep_grad else (0,))
+    loss_rows = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    n_valid = count_targets(target, ignore_index)
+    if rows:
+        if gradient_in_forward and overwrite_logits:
+            # The logits are about to hold the gradient: a graph that saved them must fail loudly.
+            torch.autograd.graph.increment_version(logits)
+        into = (logits if overwrite_logits else grad) if gradient_in_forward else None
+        mean_scale = reduction == "mean" and into is not None
+        scale = torch.reciprocal(n_valid.to(torch.float32)) if mean_scale else None
+        cross_entropy_rows(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=True,
+                           loss=loss_rows, lse=lse, grad=into, scale=scale)
+    loss = reduce_rows(loss_rows, reduction, n_valid).to(logits.dtype)
+    z_loss = reduce_rows(lse_square_scale * lse * lse, reduction, n_valid).to(logits.dtype)
+    return loss, z_loss, lse, grad
+
+
+@cross_entropy_forward.register_fake
+def _(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+      gradient_in_forward, overwrite_logits):
+    rows, vocab = logits.shape
+    loss_shape = (rows,) if reduction == "none" else ()
+    keep_grad = gradient_in_forward and not overwrite_logits
+    grad = logits.new_empty((rows, vocab) if keep_grad else (0,))
+    return logits.new_empty(loss_shape), logits.new_empty(loss_shape), logits.new_empty(rows, dtype=torch.float32), grad
+
+
+@custom_op("cross_entropy_backward")
+def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                           ignore_index: int, label_smoothing: float, lse_square_scale: float,
+                           softcap: float, reduction: str) -> Tensor:
+    """The logits' gradient from the saved logits and ``lse``, scaled by the loss's incoming gradient
+    (and, for a mean, divided by the count of non-ignored targets, on the device)."""
+    rows, vocab = logits.shape
+    grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
+    if rows == 0:
+        return grad
+    scale = grad_loss.to(torch.float32)
     if reduction == "mean":
-        # All ignored: torch gives 0/0 = NaN; Onca gives 0 (see the module docstring).
-        total = total / max(n_valid, 1)
-    return total
+        scale = scale / count_targets(target, ignore_index)
+    cross_entropy_rows(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                       lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=False, loss=None,
+                       lse=lse, grad=grad, scale=scale.reshape(-1) if reduction == "none" else scale)
+    return grad
+
+
+@cross_entropy_backward.register_fake
+def _(grad_loss, logits, target, lse, ignore_index, label_smoothing, lse_square_scale, softcap, reduction):
+    return torch.empty_like(logits)
+
+
+@custom_op("scale_forward_gradient")
+def scale_forward_gradient(grad: Tensor, grad_output: Tensor, applied: Tensor | None,
+                           in_place: bool) -> Tensor:
+    """A gradient the forward pass computed for a unit incoming gradient, times the loss's incoming
+    gradient ``grad_output`` (0-d, or one per row of ``grad``), divided by ``applied`` (the incoming
+    gradient already folded in by an earlier backward; None: 1). ``in_place`` (eager route only)
+    rescales ``grad`` itself and skips the rows whose factor is 1."""
+    out = grad if in_place else torch.empty_like(grad)
+    if grad.numel() == 0:
+        return out
+    x2d = grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1)
+    o2d = out.view(x2d.shape)
+    g = grad_output.reshape(-1).contiguous()  # an expanded gradient (stride 0) read like ``applied``
+    rows, cols = x2d.shape
+    p = plan_rows(rows, cols, grad.dtype, **RESCALE_TILES)
+    _rescale_kernel[(p.grid,)](
+        x2d, o2d, g, applied if applied is not None else g,
+        rows, cols, x2d.stride(0), o2d.stride(0), 0 if grad_output.dim() == 0 else 1,
+        HAS_APPLIED=applied is not None, SKIP_UNCHANGED=in_place,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
+    )
+    return out
+
+
+@scale_forward_gradient.register_fake
+def _(grad, grad_output, applied, in_place):
+    return torch.empty_like(grad)
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
-def _bump_version(t: torch.Tensor) -> None:
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        bump(t)
-
-
 class ForwardGradients:
-    """Gradients computed in the forward pass, handed to autograd by the backward pass.
+    """Gradients computed in the forward pass on the eager route, handed to autograd by backward.
 
-    Each backward scales them in place by the incoming gradient (nothing to do when it is 1). A
-    second backward through the same graph (``retain_graph=True``, or a benchmark timing backward)
-    gets them again, rescaled from the last incoming gradient to the new one, as long as nobody has
-    modified them since (autograd may have made them a leaf's ``.grad``; their version counters
-    tell); otherwise it is refused with an error rather than answered wrongly.
+    Each backward rescales them in place by its incoming gradient over the one already folded in
+    (``applied``, kept on the device: no host check of its value; nothing is touched where the
+    factor is 1, the usual case). A second backward through the same graph (``retain_graph=True``,
+    a benchmark timing backward) gets them again, rescaled, as long as nobody has modified them
+    since (autograd may have made them a leaf's ``.grad``; their version counters tell, on the
+    host); otherwise it is refused with an error rather than answered wrongly. After an incoming
+    gradient of exactly 0, a later one gives NaN (the gradients were zeroed).
     """
 
-    def __init__(self, tensors, per_row: bool = False):
+    def __init__(self, tensors, grad_output: Tensor):
         self.tensors = tuple(tensors)
-        self.per_row = per_row
-        self.applied: torch.Tensor | None = None  # the incoming gradient now folded in; None: 1
+        self.applied = torch.ones(grad_output.shape, dtype=torch.float32, device=grad_output.device)
         self.versions: list | None = None
 
-    def take(self, grad_output: torch.Tensor) -> tuple:
-        g = grad_output.detach().to(torch.float32)
-        g = g.reshape(-1) if self.per_row else g.reshape(())
+    def take(self, grad_output: Tensor) -> tuple:
         if self.versions is not None and any(
             t is not None and t._version != v for t, v in zip(self.tensors, self.versions)
         ):
@@ -350,96 +471,48 @@ class ForwardGradients:
                 "backward (e.g. accumulated into a .grad); backward through the same graph again is "
                 "not supported"
             )
-        prev = self.applied
-        if prev is None:
-            if self.per_row:
-                self._scale(g[:, None])
-            elif float(g) != 1.0:
-                self._scale(g)
-        elif torch.equal(prev, g):
-            pass
-        elif not self.per_row and float(prev) != 0.0:
-            self._scale(g / prev)
-        else:
-            raise RuntimeError(
-                "a second backward with a different per-token or zero incoming gradient cannot reuse "
-                "the gradients computed in the forward pass; recompute the loss instead"
-            )
-        self.applied = g.clone()
+        for t in self.tensors:
+            if t is not None:
+                scale_forward_gradient(t, grad_output, self.applied, True)
+        self.applied.copy_(grad_output.reshape(self.applied.shape))
         self.versions = [t._version if t is not None else None for t in self.tensors]
         # Fresh views: autograd can make them a leaf's .grad without a copy (it copies a tensor
         # that something else still references), and they share the version counters checked above.
         return tuple(t.view(t.shape) if t is not None else None for t in self.tensors)
 
-    def _scale(self, factor: torch.Tensor) -> None:
-        for t in self.tensors:
-            if t is not None:
-                t.mul_(factor)
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, lse_square_scale, softcap, reduction = inputs[:7]
+    in_forward, overwrite = inputs[7:]
+    loss, z_loss, lse, grad = output
+    ctx.mark_non_differentiable(z_loss, lse, grad)
+    ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+    ctx.gradient_in_forward = in_forward
+    # Eager: the forward-pass gradient is rescaled in place; traced: into a new tensor.
+    ctx.eager = not tracing(logits, loss)
+    if not in_forward:
+        ctx.save_for_backward(logits, target, lse)
+    elif ctx.eager:
+        ctx.grads = ForwardGradients([logits if overwrite else grad], loss)
+    else:
+        ctx.save_for_backward(grad)
 
 
-class CrossEntropyFunction(torch.autograd.Function):
-    """Autograd wrapper.
+def _backward(ctx, grad_loss, _grad_z_loss, _grad_lse, _grad_grad):
+    if not ctx.gradient_in_forward:
+        logits, target, lse = ctx.saved_tensors
+        grad = cross_entropy_backward(grad_loss, logits, target, lse, *ctx.options)
+    elif ctx.eager:
+        grad, = ctx.grads.take(grad_loss)
+    else:
+        grad = scale_forward_gradient(ctx.saved_tensors[0], grad_loss, None, False)
+    return grad, None, None, None, None, None, None, None, None
 
-    Saved for backward: with ``in_place_backward`` only the gradient (held in the logits' storage);
-    otherwise the 2-D logits, the targets and one fp32 ``lse`` per token, from which the backward
-    kernel writes the gradient in one pass.
-    """
 
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, lse_square_scale,
-                softcap, return_z_loss, in_place_backward, grad_enabled=True):
-        validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
-        x2d, target1d = _validate_inputs(logits, target)
-        n_valid = count_targets(target1d, x2d.shape[1], ignore_index)
-        # needs_input_grad does not see torch.no_grad(): the caller tells whether grad mode was on.
-        needs_grad = ctx.needs_input_grad[0] and grad_enabled
-        in_place = bool(in_place_backward) and needs_grad
-        if in_place and x2d.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
-            _bump_version(logits)  # the caller's storage is about to hold the gradient
-        grad_scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
-        loss_rows, lse = cross_entropy_rows(
-            x2d, target1d, ignore_index=ignore_index, label_smoothing=label_smoothing,
-            lse_square_scale=lse_square_scale, softcap=softcap,
-            grad=x2d if in_place else None, grad_scale=grad_scale,
-        )
-        ctx.set_materialize_grads(False)
-        ctx.in_place, ctx.reduction, ctx.logits_shape = in_place, reduction, logits.shape
-        ctx.options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           lse_square_scale=lse_square_scale, softcap=softcap)
-        ctx.grad_scale = grad_scale
-        if in_place:
-            ctx.grad = ForwardGradients([x2d], per_row=reduction == "none")
-        elif needs_grad:
-            ctx.save_for_backward(x2d, target1d, lse)
-        shape = logits.shape[:-1]
-        loss = reduce_rows(loss_rows, reduction, n_valid).to(logits.dtype)
-        if reduction == "none":
-            loss = loss.view(shape)
-        if not return_z_loss:
-            return loss
-        valid = (target1d != ignore_index).to(torch.float32)
-        z = reduce_rows(lse_square_scale * lse * lse * valid, reduction, n_valid).to(logits.dtype)
-        if reduction == "none":
-            z = z.view(shape)
-        ctx.mark_non_differentiable(z)
-        return loss, z
+register_autograd(cross_entropy_forward, _backward, setup_context=_setup_context)
 
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        if grad_loss is None:
-            return (None,) * 10
-        per_row = ctx.reduction == "none"
-        g = grad_loss.reshape(-1) if per_row else grad_loss.reshape(())
-        if ctx.in_place:
-            grad, = ctx.grad.take(g)
-        else:
-            x2d, target1d, lse = ctx.saved_tensors
-            grad = torch.empty(x2d.shape, dtype=x2d.dtype, device=x2d.device)
-            cross_entropy_rows(
-                x2d, target1d, **ctx.options, compute_lse=False, lse=lse, grad=grad,
-                grad_scale=ctx.grad_scale, scale=g if per_row else g.reshape(()),
-            )
-        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None, None
+
+# ------------------------------------------------------------------------------------------ public
 
 
 def validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap) -> None:
@@ -448,16 +521,20 @@ def validate_options(ignore_index, label_smoothing, reduction, lse_square_scale,
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+    check_number(label_smoothing, "label_smoothing", minimum=0.0)
+    if label_smoothing > 1.0:
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-    if not isinstance(lse_square_scale, (int, float)) or not 0.0 <= lse_square_scale < float("inf"):
+    check_number(lse_square_scale, "lse_square_scale", minimum=0.0)
+    if lse_square_scale == float("inf"):
         raise ValueError(f"lse_square_scale must be a finite number >= 0, got {lse_square_scale!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or not 0.0 < softcap < float("inf")):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if softcap is not None:
+        check_number(softcap, "softcap")
+        if not 0.0 < softcap < float("inf"):
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
 
 
-def check_target(target, name: str, shape: tuple[int, ...], what: str) -> torch.Tensor:
-    """``target`` as a contiguous 1-D index tensor, after checking its dtype and shape."""
+def check_target(target, name: str, shape: tuple[int, ...], what: str) -> Tensor:
+    """``target`` as a 1-D index tensor, after checking its dtype and shape."""
     check_tensor(target, name)
     if target.dtype.is_floating_point:
         raise TypeError(
@@ -467,29 +544,52 @@ def check_target(target, name: str, shape: tuple[int, ...], what: str) -> torch.
     check_index(target, name)
     if tuple(target.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(target.shape)}")
-    return target.reshape(-1).contiguous()
+    return target.reshape(-1)
 
 
-def _validate_inputs(logits, target):
+def _validate_inputs(logits, target) -> tuple[Tensor, Tensor]:
     check_float(logits, "logits")
-    if logits.dim() < 2:
-        raise ValueError(f"logits must be (tokens, vocab) or (..., vocab), got shape {tuple(logits.shape)}")
-    check_nonempty(logits, "logits")
+    if logits.dim() < 2 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be (tokens, vocab) or (..., vocab) with vocab >= 1, "
+                         f"got shape {tuple(logits.shape)}")
     target1d = check_target(target, "target", logits.shape[:-1], "the logits' shape without the vocab")
     check_same_device(target, "target", logits, "logits")
-    x2d = logits
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    x2d = x2d.reshape(-1, x2d.shape[-1])
-    if x2d.stride(1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) < x2d.shape[1]):
-        x2d = x2d.contiguous()
-    return x2d, target1d
+    return as_rows(logits), target1d
 
 
-def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean",
-                  lse_square_scale=0.0, softcap=None, return_z_loss=False, in_place_backward=False):
-    """Cross entropy of ``logits`` (``(..., vocab)``) against integer ``target`` (``(...)``).
-    See the module docstring. Returns the loss, or ``(loss, z_loss)`` with ``return_z_loss``."""
-    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction,
-                                      lse_square_scale, softcap, return_z_loss, in_place_backward,
-                                      torch.is_grad_enabled())
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    overwrite_logits: bool = False,
+):
+    """Cross entropy of ``logits`` ``(..., vocab)`` against class indices ``target`` ``(...)``.
+
+    As ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``, ``reduction``
+    ``"none"``/``"mean"``/``"sum"``, mean over the non-ignored tokens, NaN when there are none; no
+    class weights), plus the z-loss ``lse_square_scale * logsumexp(logits)**2`` per token and
+    Gemma 2's logit soft-capping ``softcap * tanh(logits / softcap)``. A non-ignored target outside
+    ``[0, vocab)`` makes its token's loss and gradient NaN (never an out-of-bounds read).
+    ``return_z_loss=True`` returns ``(loss, z_loss)`` (the z-loss part, for logging).
+    ``overwrite_logits=True`` computes the gradient in the forward pass and writes it over the
+    logits (no second logits-sized buffer; the logits are destroyed; eager only, compiled graphs
+    manage their own buffers). See the module docstring.
+    """
+    validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
+    check_bool(return_z_loss, "return_z_loss")
+    check_bool(overwrite_logits, "overwrite_logits")
+    x2d, target1d = _validate_inputs(logits, target)
+    gradient_in_forward = overwrite_logits and logits.requires_grad and torch.is_grad_enabled()
+    overwrite = gradient_in_forward and not tracing(logits, target)
+    loss, z_loss, _, _ = cross_entropy_forward(
+        x2d, target1d, ignore_index, float(label_smoothing), float(lse_square_scale),
+        float(softcap) if softcap is not None else 0.0, reduction, gradient_in_forward, overwrite,
+    )
+    if reduction == "none":
+        loss, z_loss = loss.view(logits.shape[:-1]), z_loss.view(logits.shape[:-1])
+    return (loss, z_loss) if return_z_loss else loss

@@ -8,14 +8,17 @@ never exist. The tokens are processed in chunks; for each chunk
    ``(chunk, vocab)`` in the input dtype, reused by every chunk;
 2. the cross-entropy kernel of ``onca.ops.cross_entropy`` reads them, writes the loss and the
    per-token log-sum-exp, and overwrites them with their gradient (already divided by the
-   number of non-ignored tokens for a mean);
+   number of non-ignored tokens, counted on the device, for a mean);
 3. ``dHidden[chunk] = dLogits @ W`` and ``dW += dLogits.T @ hidden[chunk]`` (and
    ``dB += dLogits.sum(0)``, in fp32) by matmuls,
 
 all in the forward pass, so the backward pass only scales the stored gradients by the incoming
-gradient (skipped when it is exactly 1). Tokens whose target is ``ignore_index`` are dropped
-before the matmuls (gathered per chunk, never copied whole): a half-masked SFT batch costs half
-the matmuls; their hidden-state gradient is zero.
+gradient (a kernel that reads it on the device and touches nothing when it is exactly 1; traced,
+into new tensors). The chunks are taken by position: tokens whose target is ``ignore_index`` stay
+in place and are masked in the cross-entropy kernel (zero loss, zero gradient rows, so zero
+hidden-state gradient), never gathered: no data-dependent shape, no host synchronisation. A
+non-ignored target outside ``[0, vocab)`` gives NaN (see ``onca.ops.cross_entropy``).
+``reduction="mean"`` with every token ignored (or none at all) is NaN with zero gradients, as torch.
 
 ``reduction="none"``: the per-token incoming gradient must weight each token's logits gradient
 before it is summed into ``dW``, and it is unknown in the forward pass. The forward pass then
@@ -44,12 +47,14 @@ and the per-token log-sum-exp).
 
 from __future__ import annotations
 
-
 import torch
+from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator, free_memory
+from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._matmul import has_fp32_out_dtype
-from onca.ops._validate import check_float, check_nonempty, check_same_device, check_tensor
+from onca.ops._rows import as_rows
+from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import (
     TILES as CE_TILES,
     ForwardGradients,
@@ -57,12 +62,12 @@ from onca.ops.cross_entropy import (
     count_targets,
     cross_entropy_rows,
     reduce_rows,
+    scale_forward_gradient,
     validate_options,
 )
 from onca.tiling import ChunkPlan, plan_rows, plan_token_chunks
 
-__all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyFunction", "plan", "chunk_plan",
-           "CHUNK_TOKENS", "FREE_FRACTION"]
+__all__ = ["fused_linear_cross_entropy", "plan", "chunk_plan", "CHUNK_TOKENS", "FREE_FRACTION"]
 
 # Tokens per chunk the default plan aims at: with a bf16 dW, the per-chunk update reads and writes
 # 4 bytes per element of dW for 2 * chunk flops, so about 512 tokens make it compute-bound on an
@@ -76,15 +81,12 @@ FREE_FRACTION = 0.25
 
 
 def chunk_plan(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *, accum_bytes: int | None = None,
-               gathered: bool = False, free_bytes: int | None = None, chunk_tokens: int | None = None,
-               device=None) -> ChunkPlan:
-    """How ``tokens`` (non-ignored) tokens are split into chunks.
-
-    Scratch per token: one row of logits (overwritten by its gradient) in ``dtype``, plus, when the
-    tokens are ``gathered`` (some targets ignored), its gathered hidden state and its ``dHidden``.
-    """
+               free_bytes: int | None = None, chunk_tokens: int | None = None, device=None) -> ChunkPlan:
+    """How ``tokens`` tokens are split into chunks of consecutive positions. Scratch per token: one
+    row of logits (overwritten by its gradient) in ``dtype``. ``hidden`` is part of the shape the
+    plan describes; the scratch does not depend on it."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    bytes_per_token = vocab * itemsize + (2 * hidden * itemsize if gathered else 0)
+    bytes_per_token = vocab * itemsize
     if chunk_tokens is not None:
         return plan_token_chunks(tokens, bytes_per_token, int(chunk_tokens) * bytes_per_token, multiple=1)
     accum_bytes = accum_bytes or itemsize
@@ -111,7 +113,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 # --------------------------------------------------------------------------------------- launchers
 
 
-def _accumulate_dw(dw: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+def _accumulate_dw(dw: Tensor, dlogits: Tensor, h: Tensor, first: bool) -> None:
     """``dw (+)= dlogits.T @ h``: overwrite on the first chunk, accumulate after."""
     if dw.dtype == dlogits.dtype:
         if first:
@@ -129,185 +131,196 @@ def _accumulate_dw(dw: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, fir
             dw[v0:v0 + step].add_(torch.mm(dlogits[:, v0:v0 + step].t(), h))
 
 
-def _chunk_loop(h2d, weight, bias, target, rows, chunks: ChunkPlan, options: dict, *, compute_lse: bool,
-                loss, lse, write_grad: bool, grad_scale: float = 1.0, scale=None, dx=None, dw=None,
-                db=None) -> None:
-    """Run the chunks: logits by matmul, the cross-entropy kernel, then the gradient matmuls.
-
-    ``rows`` are the indices of the non-ignored tokens (``None``: all of them); ``loss``, ``lse``
-    and ``scale`` are indexed like ``rows`` (compacted).
-    """
+def _chunk_loop(h2d, weight, bias, target, chunks: ChunkPlan, options: dict, *, compute_lse: bool,
+                loss, lse, write_grad: bool, scale=None, dx=None, dw=None, db=None) -> None:
+    """Run the chunks of consecutive tokens: logits by matmul, the cross-entropy kernel (ignored
+    tokens masked there), then the gradient matmuls. ``scale``: 0-d, or one per token."""
     vocab = weight.shape[0]
     scratch = torch.empty((chunks.chunk, vocab), dtype=h2d.dtype, device=h2d.device)
+    per_token_scale = scale is not None and scale.dim() == 1
     for index in range(chunks.n_chunks):
         start, end = chunks.bounds(index)
-        if rows is None:
-            h, t = h2d[start:end], target[start:end]
-        else:
-            r = rows[start:end]
-            h, t = h2d.index_select(0, r), target.index_select(0, r)
+        h = h2d[start:end]
         logits = scratch[: end - start]
         if bias is None:
             torch.mm(h, weight.t(), out=logits)
         else:
             torch.addmm(bias, h, weight.t(), out=logits)
         cross_entropy_rows(
-            logits, t, **options, compute_lse=compute_lse,
+            logits, target[start:end], **options, compute_lse=compute_lse,
             loss=loss[start:end] if compute_lse else None, lse=lse[start:end],
-            grad=logits if write_grad else None, grad_scale=grad_scale,
-            scale=scale[start:end] if scale is not None else None,
+            grad=logits if write_grad else None,
+            scale=scale[start:end] if per_token_scale else scale,
         )
         if not write_grad:
             continue
-        # From here ``logits`` holds dLoss/dLogits for the chunk.
+        # From here ``logits`` holds dLoss/dLogits for the chunk (zero rows for ignored tokens).
         if dx is not None:
-            if rows is None:
-                torch.mm(logits, weight, out=dx[start:end])
-            else:
-                dx.index_copy_(0, r, torch.mm(logits, weight))
+            torch.mm(logits, weight, out=dx[start:end])
         if dw is not None:
             _accumulate_dw(dw, logits, h, first=index == 0)
         if db is not None:
             db += logits.sum(dim=0, dtype=torch.float32)
 
 
-def _grad_buffers(h2d, weight, bias, needs, accum_dtype, n_valid):
+def _grad_buffers(h2d, weight, bias, needs, accum_fp32: bool):
+    """``(dx, dw, db)`` to accumulate into, None where not needed; ``dw``/``db`` may be fp32."""
     need_dx, need_dw, need_db = needs
-    t, hidden = h2d.shape
-    device = h2d.device
-    dx = dw = db = None
-    if need_dx:
-        # Ignored tokens' rows are never written: zero them unless every token counts.
-        alloc = torch.empty if n_valid == t else torch.zeros
-        dx = alloc((t, hidden), dtype=h2d.dtype, device=device)
+    tokens = h2d.shape[0]
+    dx = torch.empty(h2d.shape, dtype=h2d.dtype, device=h2d.device) if need_dx else None
+    dw = db = None
     if need_dw:
-        dtype = accum_dtype or weight.dtype
+        dtype = torch.float32 if accum_fp32 else weight.dtype
         # The first chunk overwrites a same-dtype dW; other paths (and no chunks at all) add to it.
-        alloc = torch.empty if dtype == h2d.dtype and n_valid > 0 else torch.zeros
-        dw = alloc(weight.shape, dtype=dtype, device=device)
+        alloc = torch.empty if dtype == h2d.dtype and tokens > 0 else torch.zeros
+        dw = alloc(weight.shape, dtype=dtype, device=h2d.device)
     if need_db:
-        db = torch.zeros(bias.shape, dtype=torch.float32, device=device)
+        db = torch.zeros(bias.shape, dtype=torch.float32, device=h2d.device)
     return dx, dw, db
+
+
+def _plan_for(h2d, vocab, dw, chunk_tokens: int) -> ChunkPlan:
+    accum_bytes = dw.element_size() if dw is not None else None
+    return chunk_plan(h2d.shape[0], h2d.shape[1], vocab, h2d.dtype, accum_bytes=accum_bytes,
+                      chunk_tokens=chunk_tokens or None, device=h2d.device)
+
+
+def _as_outputs(h2d, weight, bias, dx, dw, db) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients in their inputs' dtypes; an empty tensor for each one not computed."""
+    return (dx if dx is not None else h2d.new_empty(0),
+            dw.to(weight.dtype) if dw is not None else h2d.new_empty(0),
+            db.to(bias.dtype) if db is not None else h2d.new_empty(0))
+
+
+@custom_op("fused_linear_cross_entropy_forward")
+def fused_linear_cross_entropy_forward(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
+    label_smoothing: float, lse_square_scale: float, softcap: float, reduction: str, accum_fp32: bool,
+    chunk_tokens: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z_loss, lse, dhidden, dweight, dbias)`` for the 2-D ``hidden``: the fp32 losses
+    reduced, the fp32 per-token log-sum-exp and, unless ``reduction="none"``, the gradients asked
+    for (``grad_*``) for a unit incoming gradient (empty tensors otherwise). ``chunk_tokens`` 0:
+    planned from the free memory."""
+    tokens = hidden.shape[0]
+    in_forward = reduction != "none"
+    needs = (grad_hidden and in_forward, grad_weight and in_forward, grad_bias and in_forward)
+    write_grad = any(needs)
+    dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32) if write_grad else (None,) * 3
+    loss_rows = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    n_valid = count_targets(target, ignore_index)
+    if tokens:
+        mean_scale = reduction == "mean" and write_grad
+        scale = torch.reciprocal(n_valid.to(torch.float32)) if mean_scale else None
+        _chunk_loop(hidden, weight, bias, target, _plan_for(hidden, weight.shape[0], dw, chunk_tokens),
+                    _options(ignore_index, label_smoothing, lse_square_scale, softcap), compute_lse=True,
+                    loss=loss_rows, lse=lse, write_grad=write_grad, scale=scale, dx=dx, dw=dw, db=db)
+    loss = reduce_rows(loss_rows, reduction, n_valid)
+    z_loss = reduce_rows(lse_square_scale * lse * lse, reduction, n_valid)
+    return (loss, z_loss, lse) + _as_outputs(hidden, weight, bias, dx, dw, db)
+
+
+def _fake_gradients(hidden, weight, bias, needs):
+    need_dx, need_dw, need_db = needs
+    return (hidden.new_empty(hidden.shape) if need_dx else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if need_dw else hidden.new_empty(0),
+            bias.new_empty(bias.shape) if need_db else hidden.new_empty(0))
+
+
+@fused_linear_cross_entropy_forward.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+      accum_fp32, chunk_tokens, grad_hidden, grad_weight, grad_bias):
+    tokens = hidden.shape[0]
+    in_forward = reduction != "none"
+    loss_shape = () if in_forward else (tokens,)
+    shapes = (loss_shape, loss_shape, (tokens,))
+    losses = tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in shapes)
+    needs = (grad_hidden and in_forward, grad_weight and in_forward, grad_bias and in_forward)
+    return losses + _fake_gradients(hidden, weight, bias, needs)
+
+
+@custom_op("fused_linear_cross_entropy_backward")
+def fused_linear_cross_entropy_backward(
+    grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, lse: Tensor,
+    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float, accum_fp32: bool,
+    chunk_tokens: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``reduction="none"``: recompute each chunk's logits and write their gradient scaled by the
+    per-token incoming gradient; ``(dhidden, dweight, dbias)``, empty where not asked for."""
+    needs = (grad_hidden, grad_weight, grad_bias)
+    dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32)
+    if hidden.shape[0]:
+        _chunk_loop(hidden, weight, bias, target, _plan_for(hidden, weight.shape[0], dw, chunk_tokens),
+                    _options(ignore_index, label_smoothing, lse_square_scale, softcap), compute_lse=False,
+                    loss=None, lse=lse, write_grad=True, scale=grad_loss.reshape(-1).to(torch.float32),
+                    dx=dx, dw=dw, db=db)
+    return _as_outputs(hidden, weight, bias, dx, dw, db)
+
+
+@fused_linear_cross_entropy_backward.register_fake
+def _(grad_loss, hidden, weight, target, bias, lse, ignore_index, label_smoothing, lse_square_scale, softcap,
+      accum_fp32, chunk_tokens, grad_hidden, grad_weight, grad_bias):
+    return _fake_gradients(hidden, weight, bias, (grad_hidden, grad_weight, grad_bias))
+
+
+def _options(ignore_index, label_smoothing, lse_square_scale, softcap) -> dict:
+    return dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                lse_square_scale=lse_square_scale, softcap=softcap)
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Autograd wrapper. Saved for backward: ``dHidden``, ``dW`` and ``dB`` computed in the forward pass
-    (``reduction="none"``: the 2-D hidden states, the head, the bias, the targets, the indices of
-    the non-ignored tokens and their fp32 log-sum-exp; see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction,
-                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens, grad_enabled=True):
-        validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
-        h2d, target1d = _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens)
-        tokens = h2d.shape[0]
-        vocab = weight.shape[0]
-        n_valid = count_targets(target1d, vocab, ignore_index)
-        rows = None if n_valid == tokens else (target1d != ignore_index).nonzero().squeeze(1)
-        # needs_input_grad does not see torch.no_grad(): the caller tells whether grad mode was on.
-        needs = tuple(bool(grad_enabled and n) for n in (
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]))
-        deferred = reduction == "none" and any(needs)
-        write_grad = any(needs) and not deferred
-        options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                       lse_square_scale=lse_square_scale, softcap=softcap)
-
-        dx, dw, db = _grad_buffers(h2d, weight, bias, needs, accum_dtype, n_valid) if write_grad else (None,) * 3
-        loss_valid = torch.zeros(n_valid, dtype=torch.float32, device=h2d.device)
-        lse_valid = torch.zeros(n_valid, dtype=torch.float32, device=h2d.device)
-        if n_valid:
-            chunks = _plan_for(h2d, n_valid, vocab, rows is not None, dw, chunk_tokens)
-            _chunk_loop(h2d, weight, bias, target1d, rows, chunks, options, compute_lse=True,
-                        loss=loss_valid, lse=lse_valid, write_grad=write_grad,
-                        grad_scale=1.0 / n_valid if reduction == "mean" else 1.0, dx=dx, dw=dw, db=db)
-
-        ctx.set_materialize_grads(False)
-        ctx.deferred, ctx.reduction, ctx.needs = deferred, reduction, needs
-        ctx.hidden_shape, ctx.tokens = hidden.shape, tokens
-        if deferred:
-            ctx.options, ctx.chunk_tokens, ctx.accum_dtype, ctx.n_valid = options, chunk_tokens, accum_dtype, n_valid
-            ctx.has_bias, ctx.has_rows = bias is not None, rows is not None
-            saved = [h2d, weight, target1d, lse_valid]
-            saved += [bias] if bias is not None else []
-            saved += [rows] if rows is not None else []
-            ctx.save_for_backward(*saved)
-        elif write_grad:
-            # Held as attributes, not saved tensors: backward scales them in place.
-            if dw is not None and dw.dtype != weight.dtype:
-                dw = dw.to(weight.dtype)
-            if db is not None:
-                db = db.to(bias.dtype)
-            ctx.grads = ForwardGradients([dx, dw, db])
-
-        shape = target.shape
-        loss = _expand(loss_valid, reduction, n_valid, rows, tokens, shape)
-        if not return_z_loss:
-            return loss
-        z = _expand(lse_square_scale * lse_valid * lse_valid, reduction, n_valid, rows, tokens, shape)
-        ctx.mark_non_differentiable(z)
-        return loss, z
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        if grad_loss is None or not any(ctx.needs):
-            return (None,) * 13
-        if ctx.deferred:
-            dx, dw, db = _deferred_backward(ctx, grad_loss)
-        else:
-            dx, dw, db = ctx.grads.take(grad_loss)
-        dx = dx.view(ctx.hidden_shape) if dx is not None else None
-        return dx, dw, None, db, None, None, None, None, None, None, None, None, None
+def _setup_context(ctx, inputs, output):
+    hidden, weight, target, bias, *options = inputs
+    ignore_index, label_smoothing, lse_square_scale, softcap, reduction, accum_fp32, chunk_tokens = (
+        options[:7])
+    ctx.needs = tuple(options[7:])
+    loss, z_loss, lse, dx, dw, db = output
+    ctx.mark_non_differentiable(z_loss, lse, dx, dw, db)
+    ctx.deferred = reduction == "none"
+    # Eager: the forward-pass gradients are rescaled in place; traced: into new tensors.
+    ctx.eager = not tracing(hidden, loss)
+    if ctx.deferred:
+        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, accum_fp32, chunk_tokens)
+        ctx.save_for_backward(hidden, weight, target, bias, lse)
+    elif ctx.eager:
+        needed = [t if need else None for t, need in zip((dx, dw, db), ctx.needs)]
+        ctx.grads = ForwardGradients(needed, loss)
+    else:
+        ctx.save_for_backward(dx, dw, db)
 
 
-def _deferred_backward(ctx, grad_loss):
-    """``reduction="none"``: recompute each chunk's logits and write their gradient scaled per token."""
-    h2d, weight, target1d, lse_valid, *rest = ctx.saved_tensors
-    bias = rest.pop(0) if ctx.has_bias else None
-    rows = rest.pop(0) if ctx.has_rows else None
-    g = grad_loss.reshape(-1)
-    g = (g if rows is None else g.index_select(0, rows)).to(torch.float32)
-    dx, dw, db = _grad_buffers(h2d, weight, bias, ctx.needs, ctx.accum_dtype, ctx.n_valid)
-    if ctx.n_valid:
-        chunks = _plan_for(h2d, ctx.n_valid, weight.shape[0], rows is not None, dw, ctx.chunk_tokens)
-        _chunk_loop(h2d, weight, bias, target1d, rows, chunks, ctx.options, compute_lse=False,
-                    loss=None, lse=lse_valid, write_grad=True, scale=g, dx=dx, dw=dw, db=db)
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    if db is not None:
-        db = db.to(bias.dtype)
-    return dx, dw, db
+def _backward(ctx, grad_loss, *_):
+    if ctx.deferred:
+        hidden, weight, target, bias, lse = ctx.saved_tensors
+        grads = fused_linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, lse,
+                                                    *ctx.options, *ctx.needs)
+    elif ctx.eager:
+        grads = ctx.grads.take(grad_loss)
+    else:
+        grads = [scale_forward_gradient(t, grad_loss, None, False) if need else None
+                 for t, need in zip(ctx.saved_tensors, ctx.needs)]
+    dx, dw, db = (g if need else None for g, need in zip(grads, ctx.needs))
+    return (dx, dw, None, db) + (None,) * 10
 
 
-def _plan_for(h2d, n_valid, vocab, gathered, dw, chunk_tokens) -> ChunkPlan:
-    accum_bytes = dw.element_size() if dw is not None else None
-    return chunk_plan(n_valid, h2d.shape[1], vocab, h2d.dtype, accum_bytes=accum_bytes, gathered=gathered,
-                      chunk_tokens=chunk_tokens, device=h2d.device)
+register_autograd(fused_linear_cross_entropy_forward, _backward, setup_context=_setup_context)
 
 
-def _expand(per_valid, reduction, n_valid, rows, tokens, shape):
-    """Per-token values of the non-ignored tokens, reduced, or scattered back to every token."""
-    if reduction != "none":
-        return reduce_rows(per_valid, reduction, n_valid)
-    if rows is None:
-        return per_valid.view(shape)
-    full = torch.zeros(tokens, dtype=per_valid.dtype, device=per_valid.device)
-    full[rows] = per_valid
-    return full.view(shape)
+# ------------------------------------------------------------------------------------------ public
 
 
-def _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens):
+def _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens) -> tuple[Tensor, Tensor]:
     check_float(hidden, "hidden")
     check_float(weight, "weight")
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be (tokens, hidden) or (..., hidden), got shape {tuple(hidden.shape)}")
-    check_nonempty(hidden, "hidden")
     h = hidden.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != h:
-        raise ValueError(f"weight must be (vocab, hidden) = (V, {h}), got shape {tuple(weight.shape)}")
-    check_nonempty(weight, "weight")
+    if weight.dim() != 2 or weight.shape[1] != h or weight.shape[0] == 0 or h == 0:
+        raise ValueError(f"weight must be (vocab, hidden) = (V, {h}) with V, hidden >= 1, "
+                         f"got shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise TypeError(
             f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype} "
@@ -319,37 +332,70 @@ def _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens):
         if bias.dtype != hidden.dtype:
             raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
         if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"bias must have shape ({weight.shape[0]},) (the vocab), got {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias must have shape ({weight.shape[0]},) (the vocab), got {tuple(bias.shape)}")
         check_same_device(bias, "bias", hidden, "hidden")
     target1d = check_target(target, "target", hidden.shape[:-1], "the hidden states' shape without hidden")
     check_same_device(target, "target", hidden, "hidden")
     if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
-        raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}")
+        raise ValueError(
+            f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}")
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
-    h2d = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    h2d = h2d.reshape(-1, h)
-    return h2d, target1d
+    return as_rows(hidden), target1d
 
 
-def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
-                               reduction="mean", lse_square_scale=0.0, softcap=None, return_z_loss=False,
-                               accum_dtype=None, chunk_tokens=None):
-    """``cross_entropy(hidden @ weight.T + bias, target)`` without the logits; see the module docstring.
+def _fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction,
+                                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens):
+    h2d, target1d = _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens)
+    grad_enabled = torch.is_grad_enabled()
+    loss, z_loss, *_ = fused_linear_cross_entropy_forward(
+        h2d, weight, target1d, bias, ignore_index, float(label_smoothing), float(lse_square_scale),
+        float(softcap) if softcap is not None else 0.0, reduction, accum_dtype == torch.float32,
+        chunk_tokens or 0, grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+    if reduction == "none":
+        loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
+    return (loss, z_loss) if return_z_loss else loss
 
-    ``hidden`` is ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None, ``target`` ``(...)``.
-    Under ``torch.autocast`` the three are cast to the autocast dtype first, as ``F.linear`` would.
-    Returns the fp32 loss, or ``(loss, z_loss)`` with ``return_z_loss``.
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    accum_dtype: torch.dtype | None = None,
+    chunk_tokens: int | None = None,
+):
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the logits.
+
+    ``hidden`` ``(..., H)`` (e.g. a causal LM's final hidden states ``(B, S, H)``), ``weight``
+    ``(V, H)`` (the LM head, possibly tied to the embedding), ``target`` ``(...)`` class indices.
+    The options are :func:`onca.ops.cross_entropy.cross_entropy`'s; ``accum_dtype=torch.float32``
+    accumulates the weight gradient in fp32 for bf16/fp16 weights; ``chunk_tokens`` overrides the
+    planned tokens per chunk. Under ``torch.autocast`` the head's inputs are cast to the autocast
+    dtype first, as ``F.linear`` would. The loss is fp32. With ``reduction="sum"`` divide by
+    ``num_items_in_batch`` yourself (Hugging Face's gradient accumulation); ``reduction="none"``
+    returns per-token losses (its backward recomputes the logits chunk by chunk). See the module
+    docstring.
     """
-    device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
-    if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-        with torch.autocast(device_type, enabled=False):
-            return FusedLinearCrossEntropyFunction.apply(
-                cast(hidden), cast(weight), target, cast(bias), ignore_index, label_smoothing, reduction,
-                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens, torch.is_grad_enabled())
-    return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, lse_square_scale,
-        softcap, return_z_loss, accum_dtype, chunk_tokens, torch.is_grad_enabled())
+    validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
+    check_bool(return_z_loss, "return_z_loss")
+    check_tensor(hidden, "hidden")
+    args = (ignore_index, label_smoothing, reduction, lse_square_scale, softcap, return_z_loss, accum_dtype,
+            chunk_tokens)
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return _fused_linear_cross_entropy(hidden, weight, target, bias, *args)
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+    with torch.autocast(device_type, enabled=False):
+        return _fused_linear_cross_entropy(cast(hidden), cast(weight), target, cast(bias), *args)

@@ -3,7 +3,7 @@
 Reference: Hugging Face's ``ForCausalLMLoss`` arithmetic, ``F.cross_entropy(logits.float(), y)``:
 the logits are upcast to fp32 first, as every HF causal LM does (timed eager as ``torch`` and
 compiled as ``torch_compile``). Onca and liger-kernel both compute the gradient in the forward
-pass and write it over the logits (``in_place_backward=True``; liger's only mode), so neither
+pass and write it over the logits (``overwrite_logits=True``; liger's only mode), so neither
 allocates a second logits-sized buffer. No target is ignored; reduction is the mean.
 """
 
@@ -28,7 +28,7 @@ def make_inputs(p, dtype, device):
 def onca(p, inputs):
     from onca.ops.cross_entropy import cross_entropy
 
-    return lambda: cross_entropy(inputs["logits"], inputs["target"], in_place_backward=True)
+    return lambda: cross_entropy(inputs["logits"], inputs["target"], overwrite_logits=True)
 
 
 def reference(p, inputs):

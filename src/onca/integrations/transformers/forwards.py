@@ -181,7 +181,11 @@ def make_causal_lm_forward(family: Family, original_forward):
 
 def causal_lm_loss(model, family: Family, hidden, labels, shift_labels, num_items_in_batch):
     """Mean (or, with ``num_items_in_batch``, summed and divided) next-token cross entropy of the
-    language-model head over ``hidden``, without the logits."""
+    language-model head over ``hidden``, without the logits.
+
+    A micro-batch whose labels are all ignored (a prompt-only sequence under SFT masking) gives a
+    loss of 0 with zero gradients, where torch's mean would be NaN: a NaN loss poisons the
+    Trainer's running loss and any loss-scaled step. The test is on the device (no host sync)."""
     if shift_labels is None:
         # Pad the end instead of slicing the hidden states: no copy of the activations.
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -195,11 +199,11 @@ def causal_lm_loss(model, family: Family, hidden, labels, shift_labels, num_item
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = OF.fused_linear_cross_entropy(hidden, lm_head.weight, target, bias=lm_head.bias,
                                          ignore_index=IGNORE_INDEX, reduction=reduction, softcap=softcap)
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+    if num_items_in_batch is None:
+        return torch.where((target != IGNORE_INDEX).any(), loss, torch.zeros_like(loss))
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
 
 
 def _output(family: Family, outputs, loss, aux_loss):
