@@ -97,7 +97,8 @@ def test_fully_masked_batch_gives_zero_loss_not_nan(device):
     loss = model(input_ids=x, labels=torch.full_like(x, -100)).loss
     assert loss.item() == 0.0
     loss.backward()
-    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.grad is not None)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
     onca.unapply(model)
 
 

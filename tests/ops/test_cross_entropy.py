@@ -3,8 +3,6 @@ plus the z-loss and soft-capping terms written out)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F

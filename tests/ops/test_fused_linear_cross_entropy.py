@@ -190,7 +190,7 @@ def test_offset_and_strided_hidden(device):
     """Hidden states that are a view into a larger buffer (a storage offset, padded rows, a 3-D
     (B, S, H) slice as compiled graphs hand over) are read where they are, not from the buffer's
     start: the same loss and gradients as a contiguous copy."""
-    tokens, hidden, vocab = BASE
+    tokens, hidden, _ = BASE
     h, w, b, t = make_inputs(BASE, torch.bfloat16, device, bias=True)
     buffer = randn(3, tokens + 5, hidden + 8, dtype=torch.bfloat16, device=device)
     view = buffer[1, 5:, 4:4 + hidden]

@@ -66,7 +66,7 @@ from onca.ops._validate import (
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["cross_entropy", "REDUCTIONS", "plan", "cross_entropy_rows", "validate_options", "check_target",
-           "reduce_rows", "scale_forward_gradient", "ForwardGradients"]
+           "count_targets", "reduce_rows", "scale_forward_gradient", "ForwardGradients"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -385,8 +385,9 @@ def _(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap, 
     rows, vocab = logits.shape
     loss_shape = (rows,) if reduction == "none" else ()
     keep_grad = gradient_in_forward and not overwrite_logits
+    lse = logits.new_empty(rows, dtype=torch.float32)
     grad = logits.new_empty((rows, vocab) if keep_grad else (0,))
-    return logits.new_empty(loss_shape), logits.new_empty(loss_shape), logits.new_empty(rows, dtype=torch.float32), grad
+    return logits.new_empty(loss_shape), logits.new_empty(loss_shape), lse, grad
 
 
 @custom_op("cross_entropy_backward")
