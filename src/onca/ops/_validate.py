@@ -31,11 +31,6 @@ def check_index(t: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be an int32 or int64 tensor of indices, got {t.dtype}")
 
 
-def check_nonempty(t: torch.Tensor, name: str) -> None:
-    if t.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); Onca kernels need at least one element")
-
-
 def check_same_device(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str) -> None:
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; move them to one device")
