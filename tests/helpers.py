@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -92,3 +93,32 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out.copy_(t)
     return out.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def bf16_rounding_as_on_gpu():
+    """Inside this block, Triton's interpreter rounds kernels' fp32 -> bf16 casts to nearest even,
+    as the GPU does, instead of truncating (nothing changes on a GPU). For tests that compare the
+    rounding of Onca's kernels with torch's: truncation moves every rounded element up to a whole
+    ulp towards zero, a bias of the interpreter alone that would decide such a comparison."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    truncating = interpreter.InterpreterBuilder.cast_impl
+
+    def cast(builder, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return truncating(builder, src, dst_type)
+        nearest = torch.from_numpy(src.data.copy()).to(torch.bfloat16)
+        # the interpreter holds bf16 as uint16 bit patterns
+        return interpreter.TensorHandle(nearest.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+
+    interpreter.InterpreterBuilder.cast_impl = cast
+    try:
+        yield
+    finally:
+        interpreter.InterpreterBuilder.cast_impl = truncating

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import pathlib
+import re
+import sys
+
 import pytest
 
 from onca import cli
 from onca import device as onca_device
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_env(capsys):
@@ -15,9 +22,20 @@ def test_env(capsys):
 
 
 def test_plan_prints_both_passes(capsys):
+    in_force = onca_device.get_profile()
     assert cli.main(["plan", "rms_norm", "--shape", "16384x4096", "--profile", "ascend910b4"]) == 0
     out = capsys.readouterr().out
     assert "forward" in out and "backward" in out and "ascend910b4" in out
+    assert onca_device.get_profile() == in_force  # --profile plans for that profile and changes nothing
+
+
+def test_plan_unknown_profile_names_the_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "rms_norm", "--shape", "4x4", "--profile", "nosuch"])
+    assert exit_info.value.code == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "--profile" in err and "'nosuch'" in err and "ONCA_DEVICE_PROFILE" not in err
+    assert all(name in err for name in onca_device.PROFILES)
 
 
 def test_plan_bad_input(capsys):
@@ -44,3 +62,149 @@ def test_bench_list_and_cpu_smoke(tmp_path, capsys):
 def test_bench_rejects_unknown_names(capsys):
     assert cli.main(["bench", "nope"]) == 2
     assert cli.main(["bench", "rms_norm", "--providers", "onca,jax"]) == 2
+
+
+def _one_line(err: str) -> str:
+    """``err`` is one line (and no traceback); returns it."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def compare_module():
+    pytest.importorskip("transformers")
+    from onca.integrations.transformers import compare
+
+    return compare
+
+
+@pytest.fixture
+def compare(compare_module, monkeypatch):
+    """The compare module, with training refused: these errors must come before any training."""
+
+    def train(*args, **kwargs):
+        raise AssertionError("trained before refusing")
+
+    monkeypatch.setattr(compare_module, "train", train)
+    return compare_module
+
+
+def test_compare_plot_without_matplotlib_fails_before_training(compare, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not importable
+    assert cli.main(["compare", "--plot", "--no-progress"]) == 2
+    assert "pip install 'onca[plot]'" in _one_line(capsys.readouterr().err)
+
+
+def test_compare_rejects_unknown_variants(compare, capsys):
+    assert cli.main(["compare", "--variants", "onca,foo", "--no-progress"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "foo" in err and "huggingface, onca, liger" in err
+    with pytest.raises(ValueError, match="unknown variant"):
+        compare.run(compare.Settings(variants=()))
+
+
+@pytest.mark.parametrize("option", ["--steps", "--batch", "--seq", "--layers"])
+def test_compare_counts_must_be_positive(compare, capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compare", option, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be a positive integer, got '0'" in _one_line(capsys.readouterr().err)
+    with pytest.raises(ValueError, match=f"{option[2:]} must be at least 1, got 0"):
+        compare.run(compare.Settings(**{option[2:]: 0}))
+
+
+def test_compare_model_path_that_is_no_checkpoint(compare, tmp_path, capsys):
+    assert cli.main(["compare", "--model", str(tmp_path / "missing")]) == 2
+    assert _one_line(capsys.readouterr().err).endswith("missing' does not exist")
+    file = tmp_path / "config.json"
+    file.write_text("{}")
+    assert cli.main(["compare", "--model", str(file)]) == 2
+    assert "is not a directory" in _one_line(capsys.readouterr().err)
+    assert cli.main(["compare", "--model", "gpt2"]) == 2  # a name, not a path: an unsupported type
+    assert "does not support model type 'gpt2'" in _one_line(capsys.readouterr().err)
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(compare, monkeypatch, capsys):
+    assert cli.main(["compare", "--model", "/nonexistent"]) == 2
+    assert _one_line(capsys.readouterr().err) == "onca compare: model path '/nonexistent' does not exist"
+    for argv in (["--debug", "compare", "--model", "/nonexistent"], ["compare", "--model", "/nonexistent",
+                                                                     "--debug"]):
+        with pytest.raises(ValueError, match="does not exist"):
+            cli.main(argv)
+
+    def broken(args):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_env", broken)
+    assert cli.main(["env"]) == 1
+    assert _one_line(capsys.readouterr().err) == (
+        "onca env: RuntimeError: disk on fire (--debug shows the traceback)")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        cli.main(["--debug", "env"])
+
+
+def test_progress_bar_counts_only_the_variants_that_can_run(compare_module, monkeypatch):
+    import tqdm.auto
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.steps = total, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.steps += n
+
+        def set_postfix_str(self, text):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(compare_module, "liger_installed", lambda: False)
+    settings = compare_module.Settings(steps=2, batch=1, seq=8, variants=("huggingface", "liger"))
+    results, _ = compare_module.run(settings)
+    assert [r.error for r in results] == [None, "not installed (pip install liger-kernel)"]
+    assert bars[0].total == bars[0].steps == 2
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_every_option_has_help():
+    parser = cli.build_parser()
+    for name, command in {"onca": parser, **_subparsers(parser)}.items():
+        for action in command._actions:
+            if not isinstance(action, argparse._SubParsersAction):
+                assert action.help, f"{name} {'/'.join(action.option_strings) or action.dest} has no help"
+
+
+def test_help_and_readme_agree_on_model_names():
+    from onca.integrations.transformers import FAMILIES
+    from onca.integrations.transformers.presets import ALIASES
+
+    readme = README.read_text()
+    table = readme.split("## Supported models")[1].split("\n## ")[0]
+    listed = {name for row in table.splitlines() if row.startswith("|") and "`" in row
+              for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
+    assert listed == set(FAMILIES)
+    model_help = next(a.help for a in _subparsers(cli.build_parser())["compare"]._actions
+                      if a.dest == "model")
+    assert all(re.search(rf"\b{re.escape(name)}\b", model_help) for name in [*FAMILIES, *ALIASES])
+    examples = re.search(r"--model ([a-z0-9_|.]+)\|PATH", readme).group(1).split("|")
+    assert all(name in FAMILIES or name in ALIASES for name in examples if name != "...")
+    assert "`gemma3` short for `gemma3_text`" in readme and ALIASES["gemma3"] == "gemma3_text"
+
+
+def test_readme_install_line_provides_what_its_run_line_offers():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installed = re.search(r'pip install "\.\[([a-z,]+)\]" && onca compare', README.read_text()).group(1)
+    installed = set(installed.split(","))
+    assert {"transformers", "plot"} <= installed <= set(extras)  # onca compare, and its --plot
+    assert any(dep.startswith("matplotlib") for dep in extras["plot"])

@@ -67,6 +67,16 @@ def test_field_overrides(monkeypatch):
         d.get_profile()
 
 
+def test_profile_named_takes_the_overrides_and_changes_nothing(monkeypatch):
+    in_force = d.get_profile()
+    monkeypatch.setenv("ONCA_ONCHIP_BYTES", "4096")
+    p = d.profile_named("ascend910b4")
+    assert (p.name, p.onchip_bytes, p.compute_units) == ("ascend910b4", 4096, 40)
+    assert d.get_profile() is in_force
+    with pytest.raises(ValueError, match="unknown device profile 'tpu-v9'; profiles: a100, "):
+        d.profile_named("tpu-v9")
+
+
 def test_detection_falls_back_to_the_accelerator_or_interpreter():
     p = d.get_profile()
     where = d.accelerator()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import pkgutil
 import platform
@@ -29,6 +30,24 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(s <= 0 for s in shape):
         raise argparse.ArgumentTypeError(f"--shape needs positive sizes, got {text!r}")
     return shape
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def parse_profile(name: str) -> str:
+    from onca.device import PROFILES
+
+    if name not in PROFILES:
+        raise argparse.ArgumentTypeError(f"unknown profile {name!r}; profiles: {', '.join(sorted(PROFILES))}")
+    return name
 
 
 def op_names() -> list[str]:
@@ -70,18 +89,13 @@ def cmd_env(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    import os
-
     from onca import device
 
-    if args.profile:
-        os.environ["ONCA_DEVICE_PROFILE"] = args.profile
-        device.reset()
     if args.op not in op_names():
         print(f"onca plan: unknown op {args.op!r}; ops: {', '.join(op_names())}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"onca.ops.{args.op}")
-    profile = device.get_profile()
+    profile = device.profile_named(args.profile) if args.profile else device.get_profile()
     print(f"{args.op} {'x'.join(map(str, args.shape))} {str(args.dtype).replace('torch.', '')} on {profile.describe()}")
     for name, plan in module.plan(args.shape, args.dtype, profile).items():
         print(f"  {name:>10}: {plan.describe()}")
@@ -179,97 +193,143 @@ def cmd_compare(args) -> int:
     except ImportError as exc:
         print(f"onca compare needs transformers: pip install 'onca[transformers]' ({exc})", file=sys.stderr)
         return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("onca compare --plot needs matplotlib: pip install 'onca[plot]'", file=sys.stderr)
+        return 2
     where = "cuda" if device.accelerator() == "cuda" else "cpu"
     settings = compare.defaults_for(where)
     changes = {k: v for k, v in dict(model=args.model, preset=args.preset, batch=args.batch, seq=args.seq,
                                      steps=args.steps, dtype=args.dtype, lr=args.lr, layers=args.layers,
-                                     seed=args.seed).items() if v is not None}
+                                     seed=args.seed, variants=args.variants).items() if v is not None}
     if args.gradient_checkpointing is not None:
         changes["gradient_checkpointing"] = args.gradient_checkpointing
     if args.compile:
         changes["compile"] = True
-    if args.model is not None and args.preset is None and not os.path.isdir(args.model):
+    model_type = compare.resolve_model(args.model) if args.model is not None else None
+    if model_type is not None and args.preset is None:
         # Another family than the default: its first registry preset on a GPU, tiny on the CPU.
-        model_type = presets.resolve_model_type(args.model)
         choices = list(presets.PRESETS.get(model_type, {}))
         changes["preset"] = choices[0] if (where == "cuda" and choices) else "tiny"
-    if args.variants:
-        changes["variants"] = args.variants
     settings = dataclasses.replace(settings, **changes)
     if settings.steps <= settings.warmup_steps:
-        settings = dataclasses.replace(settings, warmup_steps=max(0, settings.steps - 1))
-    try:
-        results, config = compare.run(settings, show_progress=not args.no_progress)
-    except ValueError as exc:
-        print(f"onca compare: {exc}", file=sys.stderr)
-        return 2
+        settings = dataclasses.replace(settings, warmup_steps=settings.steps - 1)
+    results, config = compare.run(settings, show_progress=not args.no_progress)
     print(compare.report(results, settings, config))
     if args.plot:
         print(f"plot: {compare.plot(results, settings, args.plot)}")
     return 0 if all(r.ok or r.variant == "liger" for r in results) else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (what is wrong and where to look), not argparse's usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _model_help() -> str:
+    from onca.integrations.transformers.families import FAMILIES
+    from onca.integrations.transformers.presets import ALIASES
+
+    short = ", ".join(f"{alias} for {model_type}" for alias, model_type in ALIASES.items())
+    return f"a model type ({', '.join(FAMILIES)}; {short}) or a local checkpoint directory"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onca", description="Fast, memory-lean Triton kernels for LLM training.")
+    # --debug is accepted before or after the command. Its action is shared by every parser built
+    # from `debug`: with no default (SUPPRESS), a subcommand cannot overwrite a --debug given before it.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, show the Python traceback instead of one line")
+    parser = _Parser(prog="onca", description="Fast, memory-lean Triton kernels for LLM training.",
+                     parents=[debug])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    env = sub.add_parser("env", help="print the device, its profile, and versions")
+    env = sub.add_parser("env", help="print the device, its profile, and versions", parents=[debug])
     env.set_defaults(func=cmd_env)
 
-    plan = sub.add_parser("plan", help="print how an op is tiled for a shape on a profile")
+    plan = sub.add_parser("plan", help="print how an op is tiled for a shape on a profile", parents=[debug])
     plan.add_argument("op", help="op name, e.g. rms_norm")
     plan.add_argument("--shape", type=parse_shape, required=True, help="e.g. 16384x4096")
-    plan.add_argument("--dtype", type=parse_dtype, default="bf16")
-    plan.add_argument("--profile", help="a built-in profile name (default: detected)")
+    plan.add_argument("--dtype", type=parse_dtype, default="bf16", help="fp32, bf16 (default) or fp16")
+    plan.add_argument("--profile", type=parse_profile,
+                      help="a built-in device profile, e.g. h100 or ascend910b4 (default: the detected one)")
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmark ops against torch, torch.compile and liger-kernel",
-                           description="onca bench OP|all [options], onca bench plot CSV, onca bench summary CSV, onca bench --list")
+                           parents=[debug],
+                           description="onca bench OP|all [options], onca bench plot CSV, "
+                                       "onca bench summary CSV, onca bench --list")
     bench.add_argument("targets", nargs="*", help="op names, 'all', 'plot CSV' or 'summary CSV'")
     bench.add_argument("--list", action="store_true", help="list the ops that have benchmarks")
     bench.add_argument("--sweep", choices=["d1", "d2", "overhead", "all"], default="all",
                        help="d1 (one dimension), d2 (model shapes), overhead (16 tokens, wall clock) or all")
-    bench.add_argument("--modes", type=_csv_list, default=("forward", "backward", "full"))
-    bench.add_argument("--providers", type=_csv_list, default=("onca", "torch", "torch_compile", "liger"))
-    bench.add_argument("--dtype", type=parse_dtype, default="bf16")
+    bench.add_argument("--modes", type=_csv_list, default=("forward", "backward", "full"),
+                       help="comma-separated subset of forward,backward,full (default: all)")
+    bench.add_argument("--providers", type=_csv_list, default=("onca", "torch", "torch_compile", "liger"),
+                       help="comma-separated subset of onca,torch,torch_compile,liger (default: all)")
+    bench.add_argument("--dtype", type=parse_dtype, default="bf16", help="fp32, bf16 (default) or fp16")
     bench.add_argument("--out", default=os.path.join("benchmarks", "data"), help="results directory")
     bench.add_argument("--plot", action="store_true", help="draw PNG charts after the run")
-    bench.add_argument("--plot-dir", default=os.path.join("benchmarks", "plots"))
+    bench.add_argument("--plot-dir", default=os.path.join("benchmarks", "plots"),
+                       help="where charts go (default benchmarks/plots)")
     bench.add_argument("--include-cpu", action="store_true", help="also chart CPU smoke-test rows")
-    bench.add_argument("--max-points", type=int, help="at most this many points per sweep (evenly spaced)")
-    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--max-points", type=positive_int,
+                       help="at most this many points per sweep (evenly spaced)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
 
     compare = sub.add_parser(
-        "compare", help="train a model with and without Onca (and liger-kernel) and compare",
+        "compare", help="train a model with and without Onca (and liger-kernel) and compare", parents=[debug],
         description="Train the same model from the same seed with Hugging Face alone, with Onca and (when "
                     "installed) with liger-kernel; print tokens/s, step time, peak memory and the loss of "
-                    "every step side by side. With no arguments: a tiny model on the CPU, a Qwen3-0.6B-shaped "
-                    "model (batch 4, seq 2048, bf16, gradient checkpointing) on a GPU.")
-    compare.add_argument("--model", help="model type (qwen3, llama, mistral, mixtral, qwen2, qwen3_moe, gemma, "
-                                         "gemma2, gemma3, phi3, olmo2, granite) or a local checkpoint path")
-    compare.add_argument("--preset", help="tiny, or a real shape: 0.6b / 8b (qwen3), 8b / 70b (llama), 7b, ...")
-    compare.add_argument("--layers", type=int, help="build fewer layers than the preset has")
-    compare.add_argument("--batch", type=int)
-    compare.add_argument("--seq", type=int)
-    compare.add_argument("--steps", type=int)
-    compare.add_argument("--dtype", type=parse_dtype)
-    compare.add_argument("--lr", type=float)
-    compare.add_argument("--seed", type=int)
-    compare.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true", default=None)
-    compare.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+                    "every step side by side. With no arguments: a tiny model on the CPU, a "
+                    "Qwen3-0.6B-shaped model (batch 4, seq 2048, bf16, gradient checkpointing) on a GPU.")
+    compare.add_argument("--model", help=_model_help())
+    compare.add_argument("--preset",
+                         help="tiny, or a real shape: 0.6b / 8b (qwen3), 8b / 70b (llama), 7b, ...")
+    compare.add_argument("--layers", type=positive_int, help="build fewer layers than the preset has")
+    compare.add_argument("--batch", type=positive_int, help="sequences per step")
+    compare.add_argument("--seq", type=positive_int, help="tokens per sequence")
+    compare.add_argument("--steps", type=positive_int, help="training steps per variant")
+    compare.add_argument("--dtype", type=parse_dtype, help="fp32, bf16 or fp16 (default: fp32 on the CPU, "
+                                                           "bf16 on a GPU)")
+    compare.add_argument("--lr", type=float, help="AdamW's learning rate")
+    compare.add_argument("--seed", type=int, help="seed of the weights and the token stream")
+    compare.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true",
+                         default=None, help="checkpoint every layer (default: on a GPU)")
+    compare.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                         help="no gradient checkpointing")
     compare.add_argument("--compile", action="store_true",
                          help="run every variant's model under torch.compile (inductor)")
-    compare.add_argument("--variants", type=_csv_list, help="subset of huggingface,onca,liger")
-    compare.add_argument("--plot", nargs="?", const="onca-compare.png", help="write a PNG (default onca-compare.png)")
-    compare.add_argument("--no-progress", action="store_true")
+    compare.add_argument("--variants", type=_csv_list,
+                         help="comma-separated subset of huggingface,onca,liger (default: all)")
+    compare.add_argument("--plot", nargs="?", const="onca-compare.png",
+                         help="write a PNG of the loss curves and memory (default onca-compare.png; "
+                              "needs matplotlib: pip install 'onca[plot]')")
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar")
     compare.set_defaults(func=cmd_compare)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"onca {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, (ValueError, TypeError)) else 1
+
+
+def _one_line(exc: Exception) -> str:
+    """A ValueError's message (Onca's errors about what the user asked for), else the error's type
+    and first line, with a pointer to the traceback."""
+    lines = str(exc).strip().splitlines()
+    if isinstance(exc, ValueError) and lines:
+        return lines[0]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''} (--debug shows the traceback)"
 
 
 if __name__ == "__main__":

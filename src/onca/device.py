@@ -23,6 +23,7 @@ __all__ = [
     "DeviceProfile",
     "PROFILES",
     "get_profile",
+    "profile_named",
     "reset",
     "accelerator",
     "interpreter_active",
@@ -270,6 +271,14 @@ def get_profile() -> DeviceProfile:
             _env_int("ONCA_COMPUTE_UNITS"),
         )
     return _current
+
+
+def profile_named(name: str) -> DeviceProfile:
+    """The built-in profile ``name`` with the environment's single-field overrides, as
+    ``get_profile()`` would give it under ``ONCA_DEVICE_PROFILE=name`` (nothing is changed)."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown device profile {name!r}; profiles: {', '.join(sorted(PROFILES))}")
+    return _detect(name, _env_int("ONCA_ONCHIP_BYTES"), _env_int("ONCA_COMPUTE_UNITS"))
 
 
 def reset() -> None:

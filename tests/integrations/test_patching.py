@@ -51,6 +51,32 @@ def test_switches_turn_kernels_off():
         onca.apply(_model("llama"), swiglu=False)
 
 
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_switches_must_be_booleans(value):
+    model = _model("llama")
+    modeling = family_of("llama").modeling()
+    norm_forward, rope = modeling.LlamaRMSNorm.forward, modeling.apply_rotary_pos_emb
+    with pytest.raises(TypeError, match="rms_norm must be a bool"):
+        onca.apply(model, rms_norm=value)
+    with pytest.raises(TypeError, match="mlp must be a bool"):
+        onca.apply_to("llama", mlp=value)
+    assert _patched_forwards(model) == [] and not hasattr(model, "_onca_kernels")
+    assert modeling.LlamaRMSNorm.forward is norm_forward and modeling.apply_rotary_pos_emb is rope
+
+
+def test_a_refused_apply_patches_nothing():
+    # A base model has no LM head for the fused loss: refused before any norm or MLP is touched.
+    base = transformers.AutoModel.from_config(tiny_config("llama"))
+    rope = family_of("llama").modeling().apply_rotary_pos_emb
+    with pytest.raises(ValueError, match="pass fused_linear_cross_entropy=False"):
+        onca.apply(base)
+    assert _patched_forwards(base) == [] and not hasattr(base, "_onca_kernels")
+    assert family_of("llama").modeling().apply_rotary_pos_emb is rope
+    onca.apply(base, fused_linear_cross_entropy=False)
+    assert _patched_forwards(base) == ["mlp", "rms_norm"]
+    onca.unapply(base)
+
+
 def test_unsupported_model_is_a_clear_error():
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     with pytest.raises(ValueError, match="does not support model type 'gpt2'"):

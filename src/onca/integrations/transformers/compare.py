@@ -9,6 +9,7 @@ curves are directly comparable.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -65,6 +66,36 @@ def defaults_for(device: str) -> Settings:
         return Settings(model="qwen3", preset="0.6b", batch=4, seq=2048, steps=20, dtype=torch.bfloat16,
                         gradient_checkpointing=True, warmup_steps=3, device=device)
     return Settings(device=device, steps=16, lr=1e-3)
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def resolve_model(name: str) -> str | None:
+    """The model type ``name`` stands for (aliases resolved), or None for a checkpoint directory.
+    A name that is or looks like a path but is no directory is an error that says so, not an
+    unknown model type."""
+    if os.path.isdir(name):
+        return None
+    separators = [sep for sep in (os.sep, os.altsep) if sep]
+    if os.path.exists(name) or any(sep in name for sep in separators) or name.startswith((".", "~")):
+        problem = "is not a directory (a checkpoint is one)" if os.path.exists(name) else "does not exist"
+        raise ValueError(f"model path {name!r} {problem}")
+    return presets.resolve_model_type(name)
+
+
+def check_settings(settings: Settings) -> None:
+    """Refuse settings that could not train, before anything is built: one clear error each."""
+    unknown = [v for v in settings.variants if v not in VARIANTS]
+    if unknown or not settings.variants:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; "
+                         f"variants: {', '.join(VARIANTS)}")
+    for name in ("steps", "batch", "seq", "layers"):
+        value = getattr(settings, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    resolve_model(settings.model)
 
 
 def build_config(settings: Settings):
@@ -170,15 +201,20 @@ def _sync(cuda: bool):
 
 
 def run(settings: Settings, show_progress: bool = True) -> tuple[list[RunResult], object]:
+    check_settings(settings)
     config = build_config(settings)
     data = batches(settings, config.vocab_size)
+    runnable = [v for v in settings.variants if v != "liger" or liger_installed()]
     bar = None
     if show_progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=settings.steps * len(settings.variants), desc="onca compare", unit="step", leave=False)
+        bar = tqdm(total=settings.steps * len(runnable), desc="onca compare", unit="step", leave=False)
     results = []
     for variant in settings.variants:  # liger last: its patches are process-wide
+        if variant not in runnable:
+            results.append(RunResult(variant, error="not installed (pip install liger-kernel)"))
+            continue
         if bar is not None:
             bar.set_postfix_str(variant)
         results.append(train(variant, settings, config, data, bar))

@@ -16,6 +16,7 @@ import torch
 
 from onca.integrations.transformers import forwards
 from onca.integrations.transformers.families import Family, family_of
+from onca.ops._validate import check_bool
 
 KERNELS = ("rms_norm", "layer_norm", "mlp", "rope", "fused_linear_cross_entropy")
 
@@ -26,10 +27,15 @@ _ROPE_USERS: dict[str, int] = {}
 
 
 def _selection(kernels: dict) -> dict[str, bool]:
+    """Every switch on unless switched off; each one a bool (a string such as ``"false"`` would be
+    truthy and patch silently)."""
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
-        raise TypeError(f"unknown Onca kernel switch(es) {', '.join(unknown)}; switches: {', '.join(KERNELS)}")
-    return {name: bool(kernels.get(name, True)) for name in KERNELS}
+        raise TypeError(f"unknown Onca kernel switch(es) {', '.join(unknown)}; "
+                        f"switches: {', '.join(KERNELS)}")
+    for name, value in kernels.items():
+        check_bool(value, name)
+    return {name: kernels.get(name, True) for name in KERNELS}
 
 
 def _model_type(model) -> str:
@@ -45,39 +51,57 @@ def _forward_of(module) -> object:
     return _ORIGINALS.get((type(module), "forward"), type(module).forward)
 
 
-def _patch_instance(module, forward) -> None:
-    if getattr(module.forward, "__onca__", None) == forward.__onca__:
+def _patch_instance(module, attr: str, function) -> None:
+    if getattr(getattr(module, attr), "__onca__", None) == function.__onca__:
         return  # patched already: patching twice is harmless
-    module.forward = types.MethodType(forward, module)
+    setattr(module, attr, types.MethodType(function, module))
 
 
 def apply(model, **kernels) -> torch.nn.Module:
     """Patch an already-built Hugging Face model in place with Onca's kernels; returns the model.
 
     Switch kernels off by keyword: ``rms_norm``, ``layer_norm``, ``mlp``, ``rope``,
-    ``fused_linear_cross_entropy`` (all on by default). An unsupported model type is a
-    ``ValueError`` naming it; patching twice is harmless; ``onca.unapply(model)`` restores it.
+    ``fused_linear_cross_entropy`` (all on by default; each a bool). An unsupported model type is a
+    ``ValueError`` naming it; everything is checked before anything is patched, so an error leaves
+    the model as it was. Patching twice is harmless; ``onca.unapply(model)`` restores it.
     """
     use = _selection(kernels)
     family = family_of(_model_type(model))
     modeling = family.modeling()
+    patches, counts = _instance_patches(model, family, use)
+    for module, attr, function in patches:
+        _patch_instance(module, attr, function)
+    if use["rope"]:
+        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rope_for(family))
+        if not getattr(model, "_onca_rope", False):
+            _ROPE_USERS[family.model_type] = _ROPE_USERS.get(family.model_type, 0) + 1
+            model._onca_rope = True
+        counts["rope"] = 1
+    model._onca_kernels = {name: n for name, n in counts.items() if n}
+    return model
+
+
+def _instance_patches(model, family: Family, use: dict[str, bool]):
+    """What ``apply`` would set, as ``(module, attribute, function)`` triples, and the count per
+    kernel; raises, before anything is patched, where the model cannot take a selected kernel."""
+    patches = []
     counts = {name: 0 for name in KERNELS}
     rms_forward = forwards.make_rms_norm_forward(family)
     for module in model.modules():
         name = type(module).__name__
         if use["rms_norm"] and name == family.norm_class:
-            _patch_instance(module, rms_forward)
+            patches.append((module, "forward", rms_forward))
             counts["rms_norm"] += 1
         elif use["layer_norm"] and isinstance(module, torch.nn.LayerNorm):
-            _patch_instance(module, forwards.layer_norm_forward)
+            patches.append((module, "forward", forwards.layer_norm_forward))
             counts["layer_norm"] += 1
         elif use["mlp"] and name == family.mlp_class:
-            _patch_instance(module, forwards.MLP_FORWARDS[family.mlp])
+            patches.append((module, "forward", forwards.MLP_FORWARDS[family.mlp]))
             counts["mlp"] += 1
         elif use["mlp"] and family.experts and name == family.experts_class:
-            _patch_instance(module, forwards.make_experts_forward(_forward_of(module)))
+            patches.append((module, "forward", forwards.make_experts_forward(_forward_of(module))))
             if hasattr(type(module), "_apply_gate"):
-                module._apply_gate = types.MethodType(forwards.experts_apply_gate, module)
+                patches.append((module, "_apply_gate", forwards.experts_apply_gate))
             counts["mlp"] += 1
     if use["fused_linear_cross_entropy"]:
         if type(model).__name__ != family.causal_lm_class:
@@ -85,22 +109,15 @@ def apply(model, **kernels) -> torch.nn.Module:
                 f"fused_linear_cross_entropy patches {family.causal_lm_class}, got {type(model).__name__}; "
                 "pass fused_linear_cross_entropy=False to patch a base model"
             )
-        _patch_instance(model, forwards.make_causal_lm_forward(family, _forward_of(model)))
+        patches.append((model, "forward", forwards.make_causal_lm_forward(family, _forward_of(model))))
         counts["fused_linear_cross_entropy"] = 1
-    if use["rope"]:
-        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rope_for(family))
-        if not getattr(model, "_onca_rope", False):
-            _ROPE_USERS[family.model_type] = _ROPE_USERS.get(family.model_type, 0) + 1
-            model._onca_rope = True
-        counts["rope"] = 1
     if use["rms_norm"] and counts["rms_norm"] == 0:
         raise ValueError(f"onca.apply found no {family.norm_class} in this {family.model_type} model; "
                          "this transformers version may name it differently")
     if use["mlp"] and counts["mlp"] == 0:
         raise ValueError(f"onca.apply found no {family.mlp_class} in this {family.model_type} model; "
                          "this transformers version may name it differently")
-    model._onca_kernels = {name: n for name, n in counts.items() if n}
-    return model
+    return patches, counts
 
 
 def unapply(model) -> torch.nn.Module:
@@ -122,31 +139,34 @@ def unapply(model) -> torch.nn.Module:
 
 def apply_to(model_type: str, **kernels) -> Family:
     """Patch a family's classes before any model is built: every model of ``model_type`` constructed
-    afterwards uses Onca's kernels. ``onca.unapply_to(model_type)`` restores the classes."""
+    afterwards uses Onca's kernels. Switches as ``apply``'s; every class is found before any is
+    patched. ``onca.unapply_to(model_type)`` restores the classes."""
     use = _selection(kernels)
     family = family_of(model_type)
     modeling = family.modeling()
-    targets = []
+    patches = []  # (owner, attribute, replacement)
     if use["rms_norm"]:
-        targets.append((family.norm_class, forwards.make_rms_norm_forward(family)))
+        patches.append((_class_of(modeling, family.norm_class), "forward",
+                        forwards.make_rms_norm_forward(family)))
+    mlp_forward = forwards.MLP_FORWARDS[family.mlp]
     if use["mlp"] and family.experts:
         experts = _class_of(modeling, family.experts_class)
-        targets.append((family.experts_class, forwards.make_experts_forward(_ORIGINALS.get(
-            (experts, "forward"), experts.forward))))
+        original = _ORIGINALS.get((experts, "forward"), experts.forward)
+        patches.append((experts, "forward", forwards.make_experts_forward(original)))
         if hasattr(experts, "_apply_gate"):
-            _patch_global(experts, "_apply_gate", forwards.experts_apply_gate)
-        if hasattr(modeling, family.mlp_class):
-            targets.append((family.mlp_class, forwards.MLP_FORWARDS[family.mlp]))
+            patches.append((experts, "_apply_gate", forwards.experts_apply_gate))
+        if hasattr(modeling, family.mlp_class):  # MoE models with dense layers too
+            patches.append((_class_of(modeling, family.mlp_class), "forward", mlp_forward))
     elif use["mlp"]:
-        targets.append((family.mlp_class, forwards.MLP_FORWARDS[family.mlp]))
-    for class_name, forward in targets:
-        _patch_global(_class_of(modeling, class_name), "forward", forward)
+        patches.append((_class_of(modeling, family.mlp_class), "forward", mlp_forward))
     if use["fused_linear_cross_entropy"]:
-        cls = getattr(modeling, family.causal_lm_class)
-        original = _ORIGINALS.get((cls, "forward"), cls.forward)
-        _patch_global(cls, "forward", forwards.make_causal_lm_forward(family, original))
+        causal_lm = _class_of(modeling, family.causal_lm_class)
+        original = _ORIGINALS.get((causal_lm, "forward"), causal_lm.forward)
+        patches.append((causal_lm, "forward", forwards.make_causal_lm_forward(family, original)))
     if use["rope"]:
-        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rope_for(family))
+        patches.append((modeling, "apply_rotary_pos_emb", forwards.rope_for(family)))
+    for owner, attr, replacement in patches:
+        _patch_global(owner, attr, replacement)
     return family
 
 
