@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -41,7 +42,8 @@ ASCEND_TARGETS = {
 }
 # triton-ascend refuses to launch a grid of more programs than this (runtime/jit.py).
 MAX_GRID = 65535
-DTYPE = torch.bfloat16  # the benchmarks' training dtype
+# The benchmarks' training dtype, and fp32, which takes other paths (e.g. embedding's atomic backward).
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Launch:
     @property
     def name(self) -> str:
         return f"{self.kernel.fn.__module__.rsplit('.', 1)[-1]}.{self.kernel.fn.__name__}"
+
+    def describe_types(self) -> str:
+        return "/".join(sorted({t for t in self.signature.values() if t.startswith("*")}))
 
     def describe_constants(self) -> str:
         names = {p.name for p in self.kernel.params if p.is_constexpr}
@@ -104,9 +109,9 @@ def _recording(backend, on_910_95: bool, user: str, launches: dict):
         JITFunction.run = original
 
 
-def _run_point(bench, params) -> None:
+def _run_point(bench, params, dtype) -> None:
     """The op's forward and backward, as the benchmark's ``full`` mode runs them, on meta tensors."""
-    inputs = bench.make_inputs(params, DTYPE, "meta")
+    inputs = bench.make_inputs(params, dtype, "meta")
     result = bench.onca(params, inputs)()
     items = result if isinstance(result, (tuple, list)) else (result,)
     outs = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -129,13 +134,13 @@ def collect(ops: list[str], profiles: list[str]) -> tuple[dict, list[str]]:
         for op in ops:
             bench = harness.load(op)
             for sweep in bench.sweep("d2"):
-                for model, params in sweep.points:
+                for (model, params), dtype in itertools.product(sweep.points, DTYPES):
                     user = f"{profile}/{model}"
                     try:
                         with _recording(backend, on_910_95, user, launches):
-                            _run_point(bench, params)
+                            _run_point(bench, params, dtype)
                     except Exception as exc:  # reported with the point, the others still run
-                        failures.append(f"FAIL {op} {user}: not collected: {type(exc).__name__}: {exc}")
+                        failures.append(f"FAIL {op} {user} {dtype}: not collected: {type(exc).__name__}: {exc}")
     return launches, failures
 
 
@@ -183,7 +188,7 @@ def _check(launch: Launch) -> str | None:
 def _line(status: str, launch: Launch) -> str:
     profiles = sorted({u.split("/")[0] for u in launch.users})
     models = len({u.split("/")[1] for u in launch.users})
-    return (f"{status:4s} {launch.name} [{', '.join(profiles)}; {models} models] "
+    return (f"{status:4s} {launch.name} ({launch.describe_types()}) [{', '.join(profiles)}; models: {models}] "
             f"{launch.describe_constants()}")
 
 
