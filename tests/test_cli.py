@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from onca import cli
@@ -44,3 +46,19 @@ def test_bench_list_and_cpu_smoke(tmp_path, capsys):
 def test_bench_rejects_unknown_names(capsys):
     assert cli.main(["bench", "nope"]) == 2
     assert cli.main(["bench", "rms_norm", "--providers", "onca,jax"]) == 2
+
+
+def test_env_on_an_npu(fake_npu, capsys):
+    fake_npu("Ascend910B4", {"num_vectorcore": 40})
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "accelerator   npu" in out and "device        Ascend910B4" in out
+    assert "torch_npu" in out and "ascend910b4 (npu): 40 compute units" in out
+
+
+def test_audit_needs_a_compiler_and_triton_ascend(capsys):
+    assert cli.main(["audit"]) == 2
+    assert "--ascend" in capsys.readouterr().err
+    # Stock Triton here: the audit says what it needs (its output comes from a child process).
+    code = cli.main(["audit", "--ascend", "--ops", "rms_norm"])
+    assert code == (0 if importlib.util.find_spec("triton.backends.ascend") else 2)

@@ -63,6 +63,9 @@ def cmd_env(args) -> int:
     if where == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         lines.append(f"device        {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    if where == "npu":
+        lines.insert(3, f"torch_npu     {_version('torch_npu')}")
+        lines.append(f"device        {torch.npu.get_device_name(torch.npu.current_device())}")
     lines.append(f"interpreter   {'on (kernels run on the CPU, slowly)' if device.interpreter_active() else 'off'}")
     lines.append(f"profile       {profile.describe()}")
     print("\n".join(lines))
@@ -209,6 +212,19 @@ def cmd_compare(args) -> int:
     return 0 if all(r.ok or r.variant == "liger" for r in results) else 1
 
 
+def cmd_audit(args) -> int:
+    import subprocess
+
+    if not args.ascend:
+        print("onca audit: say which compiler to audit with (--ascend)", file=sys.stderr)
+        return 2
+    # Kernels must be compiled JITFunctions, not interpreted ones: a fresh process, interpreter off.
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    options = [arg for name in ("ops", "profiles") if getattr(args, name)
+               for arg in (f"--{name}", getattr(args, name))]
+    return subprocess.call([sys.executable, "-m", "onca.audit", *options], env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onca", description="Fast, memory-lean Triton kernels for LLM training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -264,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--plot", nargs="?", const="onca-compare.png", help="write a PNG (default onca-compare.png)")
     compare.add_argument("--no-progress", action="store_true")
     compare.set_defaults(func=cmd_compare)
+    audit = sub.add_parser("audit", help="compile every kernel with triton-ascend, without an NPU",
+                           description="Compile every kernel of the ops' D2 sweeps (model shapes), under "
+                                       "each Ascend profile's plan, with triton-ascend up to Linalg. Needs "
+                                       "triton-ascend installed in place of triton (see README.md).")
+    audit.add_argument("--ascend", action="store_true", help="audit with triton-ascend (required)")
+    audit.add_argument("--ops", help="comma-separated ops (default: all)")
+    audit.add_argument("--profiles", help="comma-separated Ascend profiles (default: all)")
+    audit.set_defaults(func=cmd_audit)
     return parser
 
 
