@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-import triton.runtime
 
 import onca  # noqa: F401  (switches the interpreter on when there is no accelerator)
 from onca import device as onca_device
@@ -75,6 +74,7 @@ def pytest_report_header(config):
 def fake_npu(monkeypatch):
     """Make this CPU machine look like an Ascend NPU host: an importable ``torch_npu``, a
     ``torch.npu`` that names the chip, and triton-ascend's driver reporting ``properties``."""
+    import triton.runtime  # here, not at the top: Onca must switch the interpreter on first
 
     def install(chip: str, properties=None):
         monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
