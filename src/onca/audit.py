@@ -62,6 +62,9 @@ class Launch:
     def name(self) -> str:
         return f"{self.kernel.fn.__module__.rsplit('.', 1)[-1]}.{self.kernel.fn.__name__}"
 
+    def sort_key(self) -> tuple:
+        return (self.name, self.describe_types(), self.describe_constants(), self.on_910_95)
+
     def describe_types(self) -> str:
         return "/".join(sorted({t for t in self.signature.values() if t.startswith("*")}))
 
@@ -140,7 +143,8 @@ def collect(ops: list[str], profiles: list[str]) -> tuple[dict, list[str]]:
                         with _recording(backend, on_910_95, user, launches):
                             _run_point(bench, params, dtype)
                     except Exception as exc:  # reported with the point, the others still run
-                        failures.append(f"FAIL {op} {user} {dtype}: not collected: {type(exc).__name__}: {exc}")
+                        failures.append(f"FAIL {op} {user} {dtype}: not collected: "
+                                        f"{type(exc).__name__}: {exc}")
     return launches, failures
 
 
@@ -188,17 +192,18 @@ def _check(launch: Launch) -> str | None:
 def _line(status: str, launch: Launch) -> str:
     profiles = sorted({u.split("/")[0] for u in launch.users})
     models = len({u.split("/")[1] for u in launch.users})
-    return (f"{status:4s} {launch.name} ({launch.describe_types()}) [{', '.join(profiles)}; models: {models}] "
-            f"{launch.describe_constants()}")
+    return (f"{status:4s} {launch.name} ({launch.describe_types()}) [{', '.join(profiles)}; "
+            f"models: {models}] {launch.describe_constants()}")
 
 
 def run(ops: list[str], profiles: list[str], out=sys.stdout) -> int:
+    """Collect, compile and report; 0 when every launch reached Linalg, else 1."""
     start = time.time()
     launches, failures = collect(ops, profiles)
     for failure in failures:
         print(failure, file=out, flush=True)
     passed = 0
-    for launch in sorted(launches.values(), key=lambda la: (la.name, la.describe_constants(), la.on_910_95)):
+    for launch in sorted(launches.values(), key=Launch.sort_key):
         error = _check(launch)
         if error is None:
             passed += 1
@@ -207,8 +212,8 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout) -> int:
             failures.append(launch.name)
             print(f"{_line('FAIL', launch)}: {error}", file=out, flush=True)
     kernels = len({la.kernel for la in launches.values()})
-    print(f"onca audit --ascend: {passed} of {len(launches)} compilations of {kernels} kernels reached Linalg "
-          f"({len(failures)} failures; {len(ops)} ops, profiles {', '.join(profiles)}; "
+    print(f"onca audit --ascend: {passed} of {len(launches)} compilations of {kernels} kernels reached "
+          f"Linalg ({len(failures)} failures; {len(ops)} ops, profiles {', '.join(profiles)}; "
           f"{time.time() - start:.0f} s; the NPU binary stage needs CANN and was not run)", file=out)
     return 1 if failures else 0
 
@@ -230,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ops = args.ops.split(",") if args.ops else harness.list_ops()
     profiles = args.profiles.split(",") if args.profiles else list(ASCEND_TARGETS)
-    unknown = [p for p in profiles if p not in ASCEND_TARGETS] + [o for o in ops if o not in harness.list_ops()]
+    unknown = [p for p in profiles if p not in ASCEND_TARGETS]
+    unknown += [op for op in ops if op not in harness.list_ops()]
     if unknown:
         print(f"onca audit --ascend: unknown op or profile {', '.join(unknown)}", file=sys.stderr)
         return 2
