@@ -62,3 +62,9 @@ def test_audit_needs_a_compiler_and_triton_ascend(capsys):
     # Stock Triton here: the audit says what it needs (its output comes from a child process).
     code = cli.main(["audit", "--ascend", "--ops", "rms_norm"])
     assert code == (0 if importlib.util.find_spec("triton.backends.ascend") else 2)
+
+
+def test_audit_covers_every_ascend_profile():
+    from onca import audit
+
+    assert set(audit.ASCEND_TARGETS) == {n for n, p in onca_device.PROFILES.items() if p.kind == "npu"}
