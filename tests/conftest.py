@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -66,3 +68,27 @@ def pytest_report_header(config):
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}, "
         f"profile={onca_device.get_profile().name}"
     )
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """Make this CPU machine look like an Ascend NPU host: an importable ``torch_npu``, a
+    ``torch.npu`` that names the chip, and triton-ascend's driver reporting ``properties``."""
+    import triton.runtime  # here, not at the top: Onca must switch the interpreter on first
+
+    def install(chip: str, properties=None):
+        monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        npu = types.SimpleNamespace(is_available=lambda: True, current_device=lambda: 0,
+                                    get_device_name=lambda index: chip)
+        monkeypatch.setattr(torch, "npu", npu, raising=False)
+        if properties is None:
+            monkeypatch.setattr(triton.runtime, "driver", None)  # no driver: `driver.active` fails
+        else:
+            utils = types.SimpleNamespace(get_device_properties=lambda index: properties)
+            monkeypatch.setattr(triton.runtime, "driver",
+                                types.SimpleNamespace(active=types.SimpleNamespace(utils=utils)))
+        onca_device.reset()
+
+    yield install
+    onca_device.reset()  # the next profile is detected without the mocks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import re
 import sys
@@ -208,3 +209,23 @@ def test_readme_install_line_provides_what_its_run_line_offers():
     installed = set(installed.split(","))
     assert {"transformers", "plot"} <= installed <= set(extras)  # onca compare, and its --plot
     assert any(dep.startswith("matplotlib") for dep in extras["plot"])
+def test_env_on_an_npu(fake_npu, capsys):
+    fake_npu("Ascend910B4", {"num_vectorcore": 40})
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "accelerator   npu" in out and "device        Ascend910B4" in out
+    assert "torch_npu" in out and "ascend910b4 (npu): 40 compute units" in out
+
+
+def test_audit_needs_a_compiler_and_triton_ascend(capsys):
+    assert cli.main(["audit"]) == 2
+    assert "--ascend" in capsys.readouterr().err
+    # Stock Triton here: the audit says what it needs (its output comes from a child process).
+    code = cli.main(["audit", "--ascend", "--ops", "rms_norm"])
+    assert code == (0 if importlib.util.find_spec("triton.backends.ascend") else 2)
+
+
+def test_audit_covers_every_ascend_profile():
+    from onca import audit
+
+    assert set(audit.ASCEND_TARGETS) == {n for n, p in onca_device.PROFILES.items() if p.kind == "npu"}

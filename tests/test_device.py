@@ -102,3 +102,42 @@ def test_interpreter_switched_on_without_accelerator_unless_user_chose():
     code = "import onca, os; print(os.environ.get('TRITON_INTERPRET'))"
     assert _run(code, env) == "1"
     assert _run(code, {**env, "TRITON_INTERPRET": "0"}) == "0"
+
+
+# ------------------------------------------------- NPU detection, torch_npu mocked (conftest's fake_npu)
+
+
+@pytest.mark.parametrize("chip,profile", [
+    ("Ascend910B1", "ascend910b2"), ("Ascend910B2", "ascend910b2"), ("Ascend910B2C", "ascend910b2"),
+    ("Ascend910B3", "ascend910b4"), ("Ascend910B4", "ascend910b4"), ("Ascend950PR", "ascend950"),
+    ("Ascend910_9589", "ascend950"), ("Ascend 910B4", "ascend910b4"), ("Ascend310P3", "ascend910b2"),
+])
+def test_npu_profile_from_the_device_name(fake_npu, chip, profile):
+    fake_npu(chip)
+    assert d.accelerator() == "npu"
+    assert d.get_profile() == d.PROFILES[profile]  # no driver figures: the table's
+
+
+def test_npu_limits_come_from_triton_ascends_driver(fake_npu):
+    fake_npu("Ascend910B4", {"max_shared_mem": 1, "num_aicore": 24, "num_vectorcore": 48})
+    p = d.get_profile()
+    assert (p.name, p.compute_units, p.onchip_bytes) == ("ascend910b4", 48, 196608)  # no UB size reported
+    fake_npu("Ascend950PR", {"num_vectorcore": 64, "ub_size": 131072})
+    p = d.get_profile()
+    assert (p.name, p.compute_units, p.onchip_bytes) == ("ascend950", 64, 131072)
+    fake_npu("Ascend910B2", {"num_vectorcore": 0})  # a nonsense report: the table stands
+    assert d.get_profile() == d.PROFILES["ascend910b2"]
+
+
+def test_npu_host_compiles_kernels_unless_told(fake_npu, monkeypatch):
+    fake_npu("Ascend910B4")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not d.ensure_interpreter()  # kernels are compiled by triton-ascend, not interpreted
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
+    d.reset()
+    assert d.get_profile() is d.PROFILES["h100"]  # the environment still wins
+
+
+def test_without_torch_npu_there_is_no_npu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails
+    assert d.accelerator() != "npu"

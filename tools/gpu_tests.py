@@ -35,9 +35,9 @@ SHARDS: dict[str, tuple[str, ...]] = {
           "tests/ops/test_fused_linear_jsd.py"),
     "7": ("tests/integrations/test_convergence.py",),
     "8": (  # patched models compiled and graph-captured, the harness, the command line
-        "tests/integrations/test_patching.py", "tests/integrations/test_compile.py",
-        "tests/integrations/test_cuda_graph.py", "tests/bench", "tests/test_cli.py", "tests/test_device.py",
-        "tests/test_tiling.py", "tests/test_gpu_shards.py",
+        "tests/integrations/test_patching.py", "tests/integrations/test_frameworks.py",
+        "tests/integrations/test_compile.py", "tests/integrations/test_cuda_graph.py", "tests/bench",
+        "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
 }
 # Shards whose tests run kernels (what memcheck is for).

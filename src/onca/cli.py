@@ -82,6 +82,9 @@ def cmd_env(args) -> int:
     if where == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         lines.append(f"device        {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    if where == "npu":
+        lines.insert(3, f"torch_npu     {_version('torch_npu')}")
+        lines.append(f"device        {torch.npu.get_device_name(torch.npu.current_device())}")
     lines.append(f"interpreter   {'on (kernels run on the CPU, slowly)' if device.interpreter_active() else 'off'}")
     lines.append(f"profile       {profile.describe()}")
     print("\n".join(lines))
@@ -235,6 +238,19 @@ def _model_help() -> str:
     return f"a model type ({', '.join(FAMILIES)}; {short}) or a local checkpoint directory"
 
 
+def cmd_audit(args) -> int:
+    import subprocess
+
+    if not args.ascend:
+        print("onca audit: say which compiler to audit with (--ascend)", file=sys.stderr)
+        return 2
+    # Kernels must be compiled JITFunctions, not interpreted ones: a fresh process, interpreter off.
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    options = [arg for name in ("ops", "profiles") if getattr(args, name)
+               for arg in (f"--{name}", getattr(args, name))]
+    return subprocess.call([sys.executable, "-m", "onca.audit", *options], env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --debug is accepted before or after the command. Its action is shared by every parser built
     # from `debug`: with no default (SUPPRESS), a subcommand cannot overwrite a --debug given before it.
@@ -309,6 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "needs matplotlib: pip install 'onca[plot]')")
     compare.add_argument("--no-progress", action="store_true", help="no progress bar")
     compare.set_defaults(func=cmd_compare)
+    audit = sub.add_parser("audit", help="compile every kernel with triton-ascend, without an NPU", parents=[debug],
+                           description="Compile every kernel of the ops' D2 sweeps (model shapes), under "
+                                       "each Ascend profile's plan, with triton-ascend up to Linalg. Needs "
+                                       "triton-ascend installed in place of triton (see README.md).")
+    audit.add_argument("--ascend", action="store_true", help="audit with triton-ascend (required)")
+    audit.add_argument("--ops", help="comma-separated ops (default: all)")
+    audit.add_argument("--profiles", help="comma-separated Ascend profiles (default: all)")
+    audit.set_defaults(func=cmd_audit)
     return parser
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "interpreter_active",
     "ensure_interpreter",
     "free_memory",
+    "npu_profile_name",
 ]
 
 
@@ -173,14 +174,31 @@ def _cuda_bandwidth_gbps(props) -> float | None:
     return 2 * clock_khz * 1e3 * (bus_bits / 8) / 1e9
 
 
+# Chip names as the NPU runtime gives them (``torch.npu.get_device_name``: "Ascend910B2", ...;
+# the 950 family also by its SoC name "Ascend910_95xx"), lower-cased without spaces, to the profile
+# with the same Unified Buffer and nearest vector-core count: the driver's core count wins anyway.
+_NPU_NAMES = (
+    ("ascend950", "ascend950"),
+    ("ascend910_95", "ascend950"),
+    ("ascend910b1", "ascend910b2"),
+    ("ascend910b2", "ascend910b2"),
+    ("ascend910b3", "ascend910b4"),
+    ("ascend910b4", "ascend910b4"),
+)
+
+
+def npu_profile_name(device_name: str) -> str:
+    """The built-in profile for an NPU named ``device_name``; the 910B2's for a chip not listed."""
+    key = device_name.lower().replace(" ", "")
+    return next((profile for prefix, profile in _NPU_NAMES if key.startswith(prefix)), "ascend910b2")
+
+
 def _npu_profile() -> DeviceProfile:
-    soc = ""
     try:
-        soc = torch.npu.get_device_name(torch.npu.current_device()).lower().replace(" ", "")
+        name = torch.npu.get_device_name(torch.npu.current_device())
     except Exception:  # the runtime may not name the chip; fall back to the most common part
-        pass
-    key = next((k for k in ("ascend950", "ascend910b2", "ascend910b4") if k in soc), "ascend910b2")
-    base = PROFILES[key]
+        name = ""
+    base = PROFILES[npu_profile_name(name)]
     changes = {}
     ub_bytes, vector_cores = _npu_runtime_limits()
     if ub_bytes:
@@ -191,7 +209,10 @@ def _npu_profile() -> DeviceProfile:
 
 
 def _npu_runtime_limits() -> tuple[int | None, int | None]:
-    """UB size and vector-core count as triton-ascend's driver reports them, where it can."""
+    """UB size and vector-core count as triton-ascend's driver reports them, where it can.
+
+    triton-ascend 3.2 reports ``num_vectorcore`` (and ``num_aicore``) but no UB size: the profile's
+    stands unless a later driver adds ``ub_size``."""
     try:
         from triton.runtime import driver
 

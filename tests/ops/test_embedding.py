@@ -97,6 +97,8 @@ def test_column_tiled_path(profile, device, onchip_bytes, dtype, deterministic):
     n, dim = 13, (1000 if SCALE == "cpu" else 8192)
     plans = op.plan((45, n, dim), dtype, forced)
     assert all(p.col_tiles > 1 for p in plans.values()), plans
+    # One-row tiles: every kernel's scalar-address path (the one triton-ascend can lower).
+    assert all(p.block_rows == 1 for p in plans.values()), plans
     check(_indices((5, 9), n, device), randn(n, dim, dtype=dtype, device=device), 2, deterministic)
 
 

@@ -86,18 +86,29 @@ def _embedding_forward_kernel(
         row_block = tile // COL_TILES
         cols = (tile % COL_TILES) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_tokens
-        idx = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        in_table = (idx >= 0) & (idx < n_embeddings)
-        # Compiled in only where the launch passes debug=True (_device_asserts): a no-op elsewhere.
-        tl.device_assert(in_table, "embedding: an index is outside [0, num_embeddings)", mask=row_mask)
-        # Never read outside the table, whether or not the assertion is compiled in.
-        valid = row_mask & in_table
-        w = tl.load(w_ptr + idx[:, None] * w_row_stride + cols[None, :],
-                    mask=valid[:, None] & col_mask[None, :], other=0.0)
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_row_stride + cols[None, :], w,
-                 mask=row_mask[:, None] & col_mask[None, :])
+        # The index assertions are compiled in only where the launch passes debug=True
+        # (_device_asserts): no-ops elsewhere. Never read outside the table either way.
+        if BLOCK_ROWS == 1:
+            # One token, with scalar addresses: triton-ascend cannot lower a one-row tensor gather
+            # (its pointer analysis fails: "tt.addptr has multiple users"). Every tile's row exists.
+            idx = tl.load(idx_ptr + row_block).to(tl.int64)
+            in_table = (idx >= 0) & (idx < n_embeddings)
+            tl.device_assert(in_table, "embedding: an index is outside [0, num_embeddings)")
+            # tl.where: Triton's interpreter cannot load with a mask made by ``scalar & tensor``.
+            w = tl.load(w_ptr + idx * w_row_stride + cols, mask=tl.where(in_table, col_mask, False),
+                        other=0.0)
+            tl.store(y_ptr + row_block.to(tl.int64) * y_row_stride + cols, w, mask=col_mask)
+        else:
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_tokens
+            idx = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            in_table = (idx >= 0) & (idx < n_embeddings)
+            # ``| ~row_mask`` rather than ``mask=``, which triton-ascend's Triton 3.2 lacks.
+            tl.device_assert(in_table | ~row_mask, "embedding: an index is outside [0, num_embeddings)")
+            w = tl.load(w_ptr + idx[:, None] * w_row_stride + cols[None, :],
+                        mask=(row_mask & in_table)[:, None] & col_mask[None, :], other=0.0)
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_row_stride + cols[None, :], w,
+                     mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -115,15 +126,24 @@ def _embedding_backward_atomic_kernel(
         row_block = tile // COL_TILES
         cols = (tile % COL_TILES) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_tokens
-        idx = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        valid = row_mask & (idx >= 0) & (idx < n_embeddings) & (idx != padding_idx)
-        mask = valid[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :],
-                     mask=mask, other=0.0)
-        tl.atomic_add(dw_ptr + idx[:, None] * dw_row_stride + cols[None, :], dy.to(tl.float32), mask=mask,
-                      sem="relaxed")
+        if BLOCK_ROWS == 1:
+            # One token, with scalar addresses: triton-ascend cannot lower a one-row tensor scatter
+            # (its pointer analysis fails: "tt.addptr has multiple users"). Every tile's row exists.
+            idx = tl.load(idx_ptr + row_block).to(tl.int64)
+            valid = (idx >= 0) & (idx < n_embeddings) & (idx != padding_idx)
+            mask = tl.where(valid, col_mask, False)  # not ``&``: as in the forward
+            dy = tl.load(dy_ptr + row_block.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
+            tl.atomic_add(dw_ptr + idx * dw_row_stride + cols, dy.to(tl.float32), mask=mask, sem="relaxed")
+        else:
+            rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_tokens
+            idx = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            valid = row_mask & (idx >= 0) & (idx < n_embeddings) & (idx != padding_idx)
+            mask = valid[:, None] & col_mask[None, :]
+            dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :],
+                         mask=mask, other=0.0)
+            tl.atomic_add(dw_ptr + idx[:, None] * dw_row_stride + cols[None, :], dy.to(tl.float32),
+                          mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -151,10 +171,16 @@ def _embedding_backward_segment_kernel(
         acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         # Each row of the tile walks its own segment; the tile runs as long as its longest one.
         for k in range(0, tl.max(count, axis=0)):
-            active = k < count
-            token = tl.load(perm_ptr + start + k, mask=active, other=0)
-            acc += tl.load(dy_ptr + token[:, None] * dy_row_stride + cols[None, :],
-                           mask=active[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+            if BLOCK_ROWS == 1:
+                # A scalar gather, as in the forward; the loop ends at the row's count.
+                token = tl.load(perm_ptr + tl.sum(start, axis=0) + k)
+                acc += tl.load(dy_ptr + token * dy_row_stride + cols, mask=col_mask,
+                               other=0.0)[None, :].to(tl.float32)
+            else:
+                active = k < count
+                token = tl.load(perm_ptr + start + k, mask=active, other=0)
+                acc += tl.load(dy_ptr + token[:, None] * dy_row_stride + cols[None, :],
+                               mask=active[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         if SCALE_BY_FREQ:
             acc = acc / tl.maximum(count, 1).to(tl.float32)[:, None]
         tl.store(dw_ptr + rows.to(tl.int64)[:, None] * dw_row_stride + cols[None, :],

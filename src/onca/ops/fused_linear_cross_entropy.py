@@ -393,7 +393,8 @@ def fused_linear_cross_entropy(
     args = (ignore_index, label_smoothing, reduction, lse_square_scale, softcap, return_z_loss, accum_dtype,
             chunk_tokens)
     device_type = hidden.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # A device type without autocast (``meta``, as in ``onca audit``) has nothing to cast.
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
         return _fused_linear_cross_entropy(hidden, weight, target, bias, *args)
     dtype = torch.get_autocast_dtype(device_type)
     cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731

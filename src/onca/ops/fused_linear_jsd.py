@@ -267,7 +267,8 @@ def fused_linear_jsd(
     for t, name in zip(tensors, ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")):
         check_tensor(t, name)
     device_type = student_hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    # A device type without autocast (``meta``, as in ``onca audit``) has nothing to cast.
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
         # The op computes in its own precisions (fp32 logits): autocast must not recast inside it.

@@ -1,0 +1,247 @@
+"""Compile every Onca kernel with triton-ascend, up to Linalg, without an NPU.
+
+For each Ascend profile and each model configuration of an op's benchmark D2 sweep, the op's
+benchmark runs forward and backward on ``meta`` tensors while a recording stand-in replaces
+``JITFunction.run``: every ``kernel[grid](...)`` call is bound as Triton would bind it (signature,
+specialisation, constexprs) and recorded instead of launched. The contract's "no host
+synchronisation" is what makes this sound: which kernels launch never depends on tensor data.
+
+Launches that compile identically (same kernel, signature, constexprs and compiler family) are
+compiled once, through triton-ascend's ``ttir`` and ``ttadapter`` (Linalg) stages. The next stage,
+``bishengir-compile`` to an NPU binary, needs CANN and is not run here.
+
+Needs triton-ascend in place of stock Triton (``pip install triton-ascend==3.2.0 pybind11`` in its
+own environment) and ``TRITON_INTERPRET=0`` before Onca is imported, so that kernels are compiled
+``JITFunction``s rather than interpreted ones: run it as ``onca audit --ascend``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from onca import device
+from onca.bench import harness
+
+__all__ = ["ASCEND_TARGETS", "Launch", "collect", "compile_to_linalg", "main"]
+
+# Each Onca profile, as the chip name triton-ascend targets. The 950 family is "Ascend910_95xx"
+# there and is compiled with ``compile_on_910_95``; the 910B parts share one code path.
+ASCEND_TARGETS = {
+    "ascend910b2": "Ascend910B2",
+    "ascend910b4": "Ascend910B4",
+    "ascend950": "Ascend910_9589",
+}
+# triton-ascend refuses to launch a grid of more programs than this (runtime/jit.py).
+MAX_GRID = 65535
+# The benchmarks' training dtype, and fp32, which takes other paths (e.g. embedding's atomic backward).
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass
+class Launch:
+    """One distinct compilation, and every (profile, model) whose launches need it."""
+
+    kernel: object  # triton.runtime.JITFunction
+    signature: dict
+    constants: dict
+    attrs: object
+    on_910_95: bool
+    users: set = field(default_factory=set)
+    max_grid: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel.fn.__module__.rsplit('.', 1)[-1]}.{self.kernel.fn.__name__}"
+
+    def sort_key(self) -> tuple:
+        return (self.name, self.describe_types(), self.describe_constants(), self.on_910_95)
+
+    def describe_types(self) -> str:
+        return "/".join(sorted({t for t in self.signature.values() if t.startswith("*")}))
+
+    def describe_constants(self) -> str:
+        names = {p.name for p in self.kernel.params if p.is_constexpr}
+        shown = {k: v for k, v in self.constants.items() if k in names}
+        return ", ".join(f"{k}={getattr(v, 'name', v)}" for k, v in sorted(shown.items()))
+
+
+def _launch_key(kernel, signature, constants, on_910_95) -> tuple:
+    return (kernel, tuple(signature.items()), tuple((k, repr(v)) for k, v in constants.items()), on_910_95)
+
+
+@contextlib.contextmanager
+def _recording(backend, on_910_95: bool, user: str, launches: dict):
+    """Replace kernel launches with recording their compilation inputs (as triton-ascend's
+    ``JITFunction.run`` computes them) into ``launches``."""
+    from triton.runtime.jit import JITFunction
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        if kernel.binder is None:
+            kernel.create_binder(backend)
+        bound, sig_and_spec, _, _, _ = kernel.binder(*args, **kwargs)
+        names = [kernel.params[i].name for i in kernel.non_constexpr_indices]
+        signature = {k: ("*i8" if v == "none" else v) for k, v in zip(names, sig_and_spec[: len(names)])}
+        values = tuple(bound.values())
+        attrs = backend.get_attrs_descriptor(kernel.params, values)
+        constant_params = attrs.get_constants()
+        constants = {p.name: v for v, p in zip(values, kernel.params)
+                     if p.is_constexpr or p.num in constant_params or v is None}
+        grid = grid(bound) if callable(grid) else grid
+        programs = 1
+        for size in grid:
+            programs *= size
+        key = _launch_key(kernel, signature, constants, on_910_95)
+        launch = launches.setdefault(key, Launch(kernel, signature, constants, attrs, on_910_95))
+        launch.users.add(user)
+        launch.max_grid = max(launch.max_grid, programs)
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
+def _run_point(bench, params, dtype) -> None:
+    """The op's forward and backward, as the benchmark's ``full`` mode runs them, on meta tensors."""
+    inputs = bench.make_inputs(params, dtype, "meta")
+    result = bench.onca(params, inputs)()
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    outs = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+
+def collect(ops: list[str], profiles: list[str]) -> tuple[dict, list[str]]:
+    """Every distinct compilation the ops' D2 sweeps need under ``profiles``, and the points that
+    could not be run (with their error)."""
+    from triton.backends.ascend.compiler import AscendBackend
+    from triton.backends.compiler import GPUTarget
+
+    launches: dict = {}
+    failures = []
+    for profile in profiles:
+        os.environ["ONCA_DEVICE_PROFILE"] = profile
+        device.reset()
+        backend = AscendBackend(GPUTarget("npu", ASCEND_TARGETS[profile], 0))
+        on_910_95 = profile == "ascend950"
+        for op in ops:
+            bench = harness.load(op)
+            for sweep in bench.sweep("d2"):
+                for (model, params), dtype in itertools.product(sweep.points, DTYPES):
+                    user = f"{profile}/{model}"
+                    try:
+                        with _recording(backend, on_910_95, user, launches):
+                            _run_point(bench, params, dtype)
+                    except Exception as exc:  # reported with the point, the others still run
+                        failures.append(f"FAIL {op} {user} {dtype}: not collected: "
+                                        f"{type(exc).__name__}: {exc}")
+    return launches, failures
+
+
+def compile_to_linalg(launch: Launch) -> str:
+    """Lower one launch through ``ttir`` and ``ttadapter``; the Linalg module's text."""
+    from triton._C.libtriton import ir
+    from triton.backends.ascend.compiler import AscendBackend, make_ttir, ttir_to_linalg
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    target = ASCEND_TARGETS["ascend950" if launch.on_910_95 else "ascend910b4"]
+    backend = AscendBackend(GPUTarget("npu", target, 0))
+    options = backend.parse_options({"compile_on_910_95": launch.on_910_95,
+                                     "enable_select_analysis": launch.on_910_95})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(launch.kernel, launch.signature, launch.constants, launch.attrs)
+    module = source.make_ir(options, backend.get_codegen_implementation(), backend.get_module_map(), context)
+    metadata = dict(options.__dict__)
+    ttir = make_ttir(module, metadata, options)
+    return ttir_to_linalg(ttir, metadata, options, named_ops=True)
+
+
+def _error_message(exc: Exception) -> str:
+    """The compiler's own words: the adapter's stderr, else the exception, on one line."""
+    if isinstance(exc, subprocess.CalledProcessError):
+        text = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
+        lines = [ln.strip() for ln in text.splitlines() if "error" in ln.lower()] or text.splitlines()[:1]
+        return f"triton-adapter-opt: {' | '.join(lines[:3])}"
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:600]
+
+
+def _check(launch: Launch) -> str | None:
+    """None when the launch compiles to Linalg and its grid can launch, else why not."""
+    if launch.max_grid > MAX_GRID:
+        return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}"
+    try:
+        compile_to_linalg(launch)
+    except Exception as exc:  # any compiler failure is the audit's finding
+        return _error_message(exc)
+    return None
+
+
+def _line(status: str, launch: Launch) -> str:
+    profiles = sorted({u.split("/")[0] for u in launch.users})
+    models = len({u.split("/")[1] for u in launch.users})
+    return (f"{status:4s} {launch.name} ({launch.describe_types()}) [{', '.join(profiles)}; "
+            f"models: {models}] {launch.describe_constants()}")
+
+
+def run(ops: list[str], profiles: list[str], out=sys.stdout) -> int:
+    """Collect, compile and report; 0 when every launch reached Linalg, else 1."""
+    start = time.time()
+    launches, failures = collect(ops, profiles)
+    for failure in failures:
+        print(failure, file=out, flush=True)
+    passed = 0
+    for launch in sorted(launches.values(), key=Launch.sort_key):
+        error = _check(launch)
+        if error is None:
+            passed += 1
+            print(_line("ok", launch), file=out, flush=True)
+        else:
+            failures.append(launch.name)
+            print(f"{_line('FAIL', launch)}: {error}", file=out, flush=True)
+    kernels = len({la.kernel for la in launches.values()})
+    print(f"onca audit --ascend: {passed} of {len(launches)} compilations of {kernels} kernels reached "
+          f"Linalg ({len(failures)} failures; {len(ops)} ops, profiles {', '.join(profiles)}; "
+          f"{time.time() - start:.0f} s; the NPU binary stage needs CANN and was not run)", file=out)
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m onca.audit", description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", help="comma-separated ops (default: every op with a benchmark)")
+    parser.add_argument("--profiles", help=f"comma-separated profiles (default: {', '.join(ASCEND_TARGETS)})")
+    args = parser.parse_args(argv)
+    try:
+        import triton.backends.ascend.compiler  # noqa: F401
+    except ImportError as exc:
+        print(f"onca audit --ascend needs triton-ascend in place of triton ({exc}); see README.md",
+              file=sys.stderr)
+        return 2
+    if device.interpreter_active():
+        print("onca audit --ascend: run with TRITON_INTERPRET=0 (interpreted kernels cannot be compiled)",
+              file=sys.stderr)
+        return 2
+    ops = args.ops.split(",") if args.ops else harness.list_ops()
+    profiles = args.profiles.split(",") if args.profiles else list(ASCEND_TARGETS)
+    unknown = [p for p in profiles if p not in ASCEND_TARGETS]
+    unknown += [op for op in ops if op not in harness.list_ops()]
+    if unknown:
+        print(f"onca audit --ascend: unknown op or profile {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    return run(ops, profiles)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
