@@ -37,7 +37,8 @@ def test_matches_torch_module(device, kwargs, dtype):
     assert_close(xo.grad, xr.grad, dtype, "dlogits")
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"reduction": "none"}, {"reduction": "sum", "label_smoothing": 0.2}], ids=str)
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "none"}, {"reduction": "sum", "label_smoothing": 0.2}],
+                         ids=str)
 def test_class_weights_match_torch_module(device, kwargs):
     weight = torch.rand(C, device=device) + 0.5
     ref_mod = torch.nn.CrossEntropyLoss(weight=weight.double(), **kwargs)

@@ -62,12 +62,13 @@ def test_extended_options_match_functional_and_move_with_the_module(device):
     target = torch.randint(0, V, (B * S,), device=device)
     target[::3] = -100
     ce_weight = torch.rand(V, device=device) + 0.5
-    options = dict(ce_weight=ce_weight, use_token_scaling=True, return_token_accuracy=True,
-                   return_predicted_tokens=True)
+    options = {"ce_weight": ce_weight, "use_token_scaling": True, "return_token_accuracy": True,
+               "return_predicted_tokens": True}
     m = onca.nn.FusedLinearCrossEntropyLoss(label_smoothing=0.1, **options)
     assert list(m.state_dict()) == ["ce_weight"] and list(m.parameters()) == []
     out = m(hidden, weight, target)
-    expected = onca.functional.fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1, **options)
+    expected = onca.functional.fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1,
+                                                          **options)
     for a, b in zip(out, expected):
         assert (a is None and b is None) or torch.equal(a, b)
     assert out.z_loss is None and "use_token_scaling=True" in repr(m)

@@ -395,7 +395,7 @@ def loss_reference(z64, target, reduction, weight=None, ignore_index=IGNORE, lab
     w64 = weight.to(torch.float64) if weight is not None else None
     valid = t != ignore_index
     z = lse_square_scale * torch.logsumexp(z64, dim=-1) ** 2 * valid
-    ce_options = dict(weight=w64, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    ce_options = {"weight": w64, "ignore_index": ignore_index, "label_smoothing": label_smoothing}
     if not token_scaling:  # torch itself reduces the cross-entropy part: its weighted mean
         ce = F.cross_entropy(z64, t, reduction=reduction, **ce_options)
         return ce + reduce_reference(z, valid.to(torch.float64), reduction)
@@ -573,7 +573,7 @@ def test_return_values(device):
     assert out.z_loss is None and out.token_accuracy is None and out.predicted_tokens is not None
     out = cross_entropy(logits, target, return_token_accuracy=True, return_z_loss=True)
     assert out.z_loss is not None and out.token_accuracy is not None and out.predicted_tokens is None
-    loss, z_loss, accuracy, predicted = out
+    loss, z_loss, _, _ = out
     assert torch.equal(loss, pair[0]) and torch.equal(z_loss, pair[1])
 
 
@@ -603,9 +603,9 @@ def test_op_contract_with_class_weights_and_metrics(device, reduction, overwrite
     weight = class_weights(40, device)
 
     def fn(logits, target, weight):
-        return cross_entropy(logits * 1, target, reduction=reduction, lse_square_scale=1e-3, label_smoothing=0.1,
-                             overwrite_logits=overwrite, weight=weight, return_z_loss=True,
-                             return_token_accuracy=True, return_predicted_tokens=True)
+        return cross_entropy(logits * 1, target, reduction=reduction, lse_square_scale=1e-3,
+                             label_smoothing=0.1, overwrite_logits=overwrite, weight=weight,
+                             return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
 
     backward = "scale_forward_gradient" if overwrite else "cross_entropy_backward"
     assert_op_contract(fn, (logits, target, weight), expect_ops={"cross_entropy_forward", backward})

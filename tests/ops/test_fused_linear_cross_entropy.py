@@ -457,8 +457,8 @@ def rounded_logits(h, w, b=None):
     return rounded(logits, h.dtype), (h64, w64, b64)
 
 
-def check_extended(h, w, b, target, reduction="mean", chunk_tokens=CHUNK, ce_weight=None, use_token_scaling=False,
-                   **options):
+def check_extended(h, w, b, target, reduction="mean", chunk_tokens=CHUNK, ce_weight=None,
+                   use_token_scaling=False, **options):
     """Loss and gradients with class weights and/or token scaling against :func:`loss_reference`."""
     dtype = h.dtype
     hk, wk = leaf(h), leaf(w)
@@ -546,8 +546,8 @@ def test_token_accuracy_and_predicted_tokens(profile, device, dtype, reduction):
     assert torch.equal(out.predicted_tokens, predicted)
     torch.testing.assert_close(out.token_accuracy, accuracy, rtol=0, atol=1e-6)
     assert 0.2 < accuracy.mean() < 1.0
-    assert torch.equal(out.loss, fused_linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_tokens=CHUNK,
-                                                            softcap=30.0))
+    plain = fused_linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_tokens=CHUNK, softcap=30.0)
+    assert torch.equal(out.loss, plain)
     out.loss.sum().backward()
     assert torch.isfinite(hk.grad).all()
 
@@ -608,10 +608,10 @@ def test_op_contract_with_extended_options(device, reduction):
               class_weights(40, device))
 
     def fn(hidden, weight, target, bias, ce_weight):
-        return fused_linear_cross_entropy(hidden, weight, target, bias, reduction=reduction, label_smoothing=0.1,
-                                          lse_square_scale=1e-3, chunk_tokens=4, ce_weight=ce_weight,
-                                          use_token_scaling=True, return_z_loss=True, return_token_accuracy=True,
-                                          return_predicted_tokens=True)
+        return fused_linear_cross_entropy(hidden, weight, target, bias, reduction=reduction,
+                                          label_smoothing=0.1, lse_square_scale=1e-3, chunk_tokens=4,
+                                          ce_weight=ce_weight, use_token_scaling=True, return_z_loss=True,
+                                          return_token_accuracy=True, return_predicted_tokens=True)
 
     backward = "fused_linear_cross_entropy_backward" if reduction == "none" else "scale_forward_gradient"
     assert_op_contract(fn, inputs, expect_ops={"fused_linear_cross_entropy_forward", backward})

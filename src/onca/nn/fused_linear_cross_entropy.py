@@ -55,7 +55,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             hidden, weight, target, bias, self.ignore_index, self.label_smoothing, self.reduction,
             self.lse_square_scale, self.softcap, self.return_z_loss, self.accum_dtype, self.chunk_tokens,
             ce_weight=self.ce_weight, use_token_scaling=self.use_token_scaling,
-            return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens,
+            return_token_accuracy=self.return_token_accuracy,
+            return_predicted_tokens=self.return_predicted_tokens,
         )
 
     def extra_repr(self) -> str:

@@ -67,10 +67,10 @@ from onca.ops._validate import (
 )
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["cross_entropy", "CrossEntropyOutput", "REDUCTIONS", "plan", "cross_entropy_rows", "validate_options",
-           "check_target", "check_class_weight", "count_targets", "class_weight_sums", "gradient_scales",
-           "reduce_rows", "reduce_loss", "token_accuracy", "fake_predictions", "loss_outputs",
-           "scale_forward_gradient", "ForwardGradients"]
+__all__ = ["cross_entropy", "CrossEntropyOutput", "REDUCTIONS", "plan", "cross_entropy_rows",
+           "validate_options", "check_target", "check_class_weight", "count_targets", "class_weight_sums",
+           "gradient_scales", "reduce_rows", "reduce_loss", "token_accuracy", "fake_predictions",
+           "loss_outputs", "scale_forward_gradient", "ForwardGradients"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -544,9 +544,9 @@ def _(logits, target, weight, ignore_index, label_smoothing, lse_square_scale, s
 
 
 @custom_op("cross_entropy_backward")
-def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, weight: Tensor | None,
-                           ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                           softcap: float, reduction: str) -> Tensor:
+def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                           weight: Tensor | None, ignore_index: int, label_smoothing: float,
+                           lse_square_scale: float, softcap: float, reduction: str) -> Tensor:
     """The logits' gradient from the saved logits and ``lse``, scaled by the loss's incoming gradient
     (and, for a mean, divided by the count of non-ignored targets or their summed class weights,
     on the device)."""
@@ -694,7 +694,8 @@ def loss_outputs(shape, reduction: str, loss: Tensor, z_loss: Tensor, accuracy: 
         return (loss, z_loss) if return_z_loss else loss
     if return_token_accuracy and reduction == "none":
         accuracy = accuracy.view(shape)
-    return CrossEntropyOutput(loss, z_loss if return_z_loss else None, accuracy if return_token_accuracy else None,
+    return CrossEntropyOutput(loss, z_loss if return_z_loss else None,
+                              accuracy if return_token_accuracy else None,
                               predicted.view(shape) if return_predicted_tokens else None)
 
 
@@ -722,7 +723,8 @@ def check_class_weight(weight, name: str, vocab: int, ref: Tensor, ref_name: str
         return None
     check_float(weight, name)
     if tuple(weight.shape) != (vocab,):
-        raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), got {tuple(weight.shape)}")
+        raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), "
+                         f"got {tuple(weight.shape)}")
     check_same_device(weight, name, ref, ref_name)
     if weight.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} takes no gradient (as in torch): pass {name}.detach() or a tensor that "
@@ -803,6 +805,6 @@ def cross_entropy(
         float(softcap) if softcap is not None else 0.0, reduction,
         return_token_accuracy or return_predicted_tokens, gradient_in_forward, overwrite,
     )
-    return loss_outputs(target.shape, reduction, loss, z_loss, accuracy, predicted, return_z_loss=return_z_loss,
-                        return_token_accuracy=return_token_accuracy,
+    return loss_outputs(target.shape, reduction, loss, z_loss, accuracy, predicted,
+                        return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
                         return_predicted_tokens=return_predicted_tokens)

@@ -228,11 +228,13 @@ def fused_linear_cross_entropy_forward(
     weight_total, target_weight_sum = (class_weight_sums(ce_weight, target, ignore_index)
                                        if ce_weight is not None else (None, None))
     if tokens:
-        scale, z_scale = gradient_scales(None, reduction, n_valid, target_weight_sum) if write_grad else (None,) * 2
+        scale, z_scale = (gradient_scales(None, reduction, n_valid, target_weight_sum) if write_grad
+                          else (None, None))
         options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
                            token_scaling)
-        _chunk_loop(hidden, weight, bias, target, _plan_for(hidden, weight.shape[0], dw, chunk_tokens), options,
-                    compute_lse=True, lse=lse, write_grad=write_grad, loss=ce_rows, z=z_rows,
+        chunks = _plan_for(hidden, weight.shape[0], dw, chunk_tokens)
+        _chunk_loop(hidden, weight, bias, target, chunks, options, compute_lse=True, lse=lse,
+                    write_grad=write_grad, loss=ce_rows, z=z_rows,
                     predicted=predicted if predictions else None, scale=scale, z_scale=z_scale,
                     dx=dx, dw=dw, db=db)
     loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, target_weight_sum)
@@ -265,9 +267,9 @@ def _(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, ls
 @custom_op("fused_linear_cross_entropy_backward")
 def fused_linear_cross_entropy_backward(
     grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, lse: Tensor,
-    ce_weight: Tensor | None, ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float,
-    token_scaling: bool, accum_fp32: bool, chunk_tokens: int, grad_hidden: bool, grad_weight: bool,
-    grad_bias: bool,
+    ce_weight: Tensor | None, ignore_index: int, label_smoothing: float, lse_square_scale: float,
+    softcap: float, token_scaling: bool, accum_fp32: bool, chunk_tokens: int, grad_hidden: bool,
+    grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``reduction="none"``: recompute each chunk's logits and write their gradient scaled by the
     per-token incoming gradient; ``(dhidden, dweight, dbias)``, empty where not asked for."""
@@ -277,23 +279,25 @@ def fused_linear_cross_entropy_backward(
         weight_total = ce_weight.to(torch.float32).sum() if ce_weight is not None else None
         options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
                            token_scaling)
-        _chunk_loop(hidden, weight, bias, target, _plan_for(hidden, weight.shape[0], dw, chunk_tokens), options,
-                    compute_lse=False, lse=lse, write_grad=True, scale=grad_loss.reshape(-1).to(torch.float32),
-                    dx=dx, dw=dw, db=db)
+        chunks = _plan_for(hidden, weight.shape[0], dw, chunk_tokens)
+        _chunk_loop(hidden, weight, bias, target, chunks, options, compute_lse=False, lse=lse,
+                    write_grad=True, scale=grad_loss.reshape(-1).to(torch.float32), dx=dx, dw=dw, db=db)
     return _as_outputs(hidden, weight, bias, dx, dw, db)
 
 
 @fused_linear_cross_entropy_backward.register_fake
-def _(grad_loss, hidden, weight, target, bias, lse, ce_weight, ignore_index, label_smoothing, lse_square_scale,
-      softcap, token_scaling, accum_fp32, chunk_tokens, grad_hidden, grad_weight, grad_bias):
+def _(grad_loss, hidden, weight, target, bias, lse, ce_weight, ignore_index, label_smoothing,
+      lse_square_scale, softcap, token_scaling, accum_fp32, chunk_tokens, grad_hidden, grad_weight,
+      grad_bias):
     return _fake_gradients(hidden, weight, bias, (grad_hidden, grad_weight, grad_bias))
 
 
 def _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
              token_scaling) -> dict:
     """The cross-entropy kernel's options, the same for every chunk."""
-    return dict(ignore_index=ignore_index, label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-                softcap=softcap, weight=ce_weight, weight_total=weight_total, token_scaling=token_scaling)
+    return {"ignore_index": ignore_index, "label_smoothing": label_smoothing,
+            "lse_square_scale": lse_square_scale, "softcap": softcap, "weight": ce_weight,
+            "weight_total": weight_total, "token_scaling": token_scaling}
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -387,8 +391,8 @@ def _fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, labe
         grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    return loss_outputs(target.shape, reduction, loss, z_loss, accuracy, predicted, return_z_loss=return_z_loss,
-                        return_token_accuracy=return_token_accuracy,
+    return loss_outputs(target.shape, reduction, loss, z_loss, accuracy, predicted,
+                        return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
                         return_predicted_tokens=return_predicted_tokens)
 
 
@@ -436,8 +440,9 @@ def fused_linear_cross_entropy(
     check_tensor(hidden, "hidden")
     args = (ignore_index, label_smoothing, reduction, lse_square_scale, softcap, return_z_loss, accum_dtype,
             chunk_tokens)
-    extras = dict(ce_weight=ce_weight, use_token_scaling=use_token_scaling,
-                  return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
+    extras = {"ce_weight": ce_weight, "use_token_scaling": use_token_scaling,
+              "return_token_accuracy": return_token_accuracy,
+              "return_predicted_tokens": return_predicted_tokens}
     device_type = hidden.device.type
     if not torch.is_autocast_enabled(device_type):
         return _fused_linear_cross_entropy(hidden, weight, target, bias, *args, **extras)

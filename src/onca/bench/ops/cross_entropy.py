@@ -66,8 +66,9 @@ def liger(p, inputs):
     #  return_z_loss, return_token_accuracy, return_predicted_tokens): returns (loss, z_loss,
     #  token_accuracy, predicted_tokens).
     metrics = _metrics(p)
-    return lambda: LigerCrossEntropyFunction.apply(inputs["logits"], inputs["target"], inputs.get("class_weight"),
-                                                   -100, 0.0, 0.0, "mean", None, False, metrics, metrics)
+    return lambda: LigerCrossEntropyFunction.apply(inputs["logits"], inputs["target"],
+                                                   inputs.get("class_weight"), -100, 0.0, 0.0, "mean", None,
+                                                   False, metrics, metrics)
 
 
 def bytes_moved(p, dtype, mode):

@@ -67,7 +67,8 @@ def reference(p, inputs):
         predicted = logits.detach().argmax(dim=-1)
         return per_token.mean(), (predicted == target).float().mean(), predicted
 
-    return lambda: hf_head_and_loss(inputs["hidden"], inputs["weight"], inputs["target"], inputs.get("ce_weight"))
+    return lambda: hf_head_and_loss(inputs["hidden"], inputs["weight"], inputs["target"],
+                                    inputs.get("ce_weight"))
 
 
 def liger(p, inputs):
