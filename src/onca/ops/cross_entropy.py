@@ -4,20 +4,31 @@ Per token ``i`` with target ``y`` (tokens whose target is ``ignore_index`` contr
 
     z       = softcap * tanh(logits / softcap)          (only when ``softcap`` is given; Gemma 2)
     lse     = log(sum_j exp(z_j))
-    loss_i  = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + lse_square_scale * lse**2
+    ce_i    = (1 - eps) * w_y * (lse - z_y) + eps / V * sum_j w_j * (lse - z_j)
+    loss_i  = ce_i + lse_square_scale * lse**2
 
-with ``eps = label_smoothing``; this is ``torch.nn.functional.cross_entropy`` plus the PaLM z-loss
-(``lse_square_scale``). ``reduction="mean"`` divides the sum by the number of non-ignored tokens,
-counted on the device, as torch does: with every token ignored (or no tokens at all) the mean is
-``0 / 0 = NaN`` and the gradient is zero, as in torch. ``return_z_loss=True`` also returns the
-z-loss term alone (reduced the same way, for logging: it is already part of the loss and takes no
-gradient of its own). A target outside ``[0, vocab)`` that is not ``ignore_index`` is never read
-through: that token's loss and gradient are NaN (checked in the kernel, with no host
-synchronisation), so the loss shows the bad label.
+with ``eps = label_smoothing`` and the class weights ``w`` (all 1 without ``weight``); this is
+``torch.nn.functional.cross_entropy`` plus the PaLM z-loss (``lse_square_scale``).
+``reduction="mean"`` divides the cross-entropy part by the summed weights of the non-ignored
+targets (their count without class weights: torch's weighted mean) and the z-loss part by the
+count (the z-loss is never class-weighted, as in liger-kernel), both on the device: with every
+token ignored (or no tokens at all) the mean is ``0 / 0 = NaN`` and the gradient is zero, as in
+torch. ``return_z_loss=True`` also returns the z-loss term alone (reduced the same way, for
+logging: it is already part of the loss and takes no gradient of its own). A target outside
+``[0, vocab)`` that is not ``ignore_index`` is never read through: that token's loss and gradient
+are NaN (checked in the kernel, with no host synchronisation), so the loss shows the bad label.
 
-Gradient (per token, before the reduction's scale)::
+The same pass finds each token's argmax (the first maximal class of the soft-capped logits) when
+the token accuracy or the predicted tokens are asked for: liger-kernel's metrics, with no
+gradient. Fused linear cross entropy's token scaling multiplies ``loss_i`` and its gradient by
+``softmax(z)_y``, a constant per token.
 
-    dloss/dz_j = softmax(z)_j * (1 + 2 * lse_square_scale * lse) - eps / V - (1 - eps) * [j == y]
+Gradient (per token, before the reduction's scales ``s`` of the cross-entropy part, ``s_z`` of
+the z-loss part)::
+
+    dloss/dz_j = softmax(z)_j * (s * ((1 - eps) * w_y + eps / V * sum_k w_k)
+                                 + s_z * 2 * lse_square_scale * lse)
+                 - s * eps / V * w_j - s * (1 - eps) * w_y * [j == y]
 
 times ``1 - (z_j / softcap)**2`` through the soft cap.
 

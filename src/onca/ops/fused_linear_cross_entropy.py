@@ -6,9 +6,11 @@ never exist. The tokens are processed in chunks; for each chunk
 
 1. its logits are computed by one matmul (cuBLAS: the op is matmul-bound) into a scratch buffer
    ``(chunk, vocab)`` in the input dtype, reused by every chunk;
-2. the cross-entropy kernel of ``onca.ops.cross_entropy`` reads them, writes the loss and the
-   per-token log-sum-exp, and overwrites them with their gradient (already divided by the
-   number of non-ignored tokens, counted on the device, for a mean);
+2. the cross-entropy kernel of ``onca.ops.cross_entropy`` reads them, writes the loss, the
+   per-token log-sum-exp (and, when asked for, the argmax), and overwrites them with their
+   gradient (already divided by the number of non-ignored tokens, or their summed class
+   weights, counted on the device, for a mean; times each token's detached probability of its
+   target under ``use_token_scaling``);
 3. ``dHidden[chunk] = dLogits @ W`` and ``dW += dLogits.T @ hidden[chunk]`` (and
    ``dB += dLogits.sum(0)``, in fp32) by matmuls,
 
@@ -19,6 +21,7 @@ in place and are masked in the cross-entropy kernel (zero loss, zero gradient ro
 hidden-state gradient), never gathered: no data-dependent shape, no host synchronisation. A
 non-ignored target outside ``[0, vocab)`` gives NaN (see ``onca.ops.cross_entropy``).
 ``reduction="mean"`` with every token ignored (or none at all) is NaN with zero gradients, as torch.
+The token accuracy and predicted tokens come from that same pass: no logits beyond the chunk.
 
 ``reduction="none"``: the per-token incoming gradient must weight each token's logits gradient
 before it is summed into ``dW``, and it is unknown in the forward pass. The forward pass then
