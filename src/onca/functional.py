@@ -21,7 +21,7 @@ from onca.ops.embedding import embedding
 from onca.ops.rope import rotary_pos_emb
 
 # Losses
-from onca.ops.cross_entropy import cross_entropy
+from onca.ops.cross_entropy import CrossEntropyOutput, cross_entropy
 from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from onca.ops.fused_linear_jsd import fused_linear_jsd
 from onca.ops.jsd import jsd
@@ -39,6 +39,7 @@ __all__ = [
     "embedding",
     "attn_res",
     "cross_entropy",
+    "CrossEntropyOutput",
     "fused_linear_cross_entropy",
     "kl_div",
     "jsd",

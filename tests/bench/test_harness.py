@@ -186,3 +186,22 @@ def test_subsample_keeps_the_ends_evenly():
     assert harness.subsample(pts, None) == pts and harness.subsample(pts, 20) == pts
     assert harness.subsample(pts, 3) == [0, 4, 9] or harness.subsample(pts, 3) == [0, 5, 9]
     assert harness.subsample(pts, 2) == [0, 9] and harness.subsample(pts, 1) == [0]
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_loss_option_sets_compute_what_their_reference_does(op, device):
+    """Each point of the losses' ``options`` sweep gives Onca and the reference the same work: the
+    same loss and, for the token metrics, the same accuracy and predicted tokens (probe size)."""
+    bench = harness.load(op)
+    sweep, = (s for s in bench.sweep("d1") if s.x_name == "options")
+    for name, _ in sweep.points:
+        params = {**bench.probe, "options": name}
+        inputs = bench.make_inputs(params, torch.float32, device)
+        expected = bench.reference(params, inputs)()  # first: Onca's cross entropy overwrites the logits
+        ours = bench.onca(params, inputs)()
+        if name == "token_metrics":
+            loss, accuracy, predicted = expected
+            assert torch.equal(ours.predicted_tokens, predicted)
+            torch.testing.assert_close(ours.token_accuracy, accuracy)
+            ours, expected = ours.loss, loss
+        torch.testing.assert_close(ours, expected, msg=lambda m, name=name: f"{name}: {m}")

@@ -37,6 +37,36 @@ def test_matches_torch_module(device, kwargs, dtype):
     assert_close(xo.grad, xr.grad, dtype, "dlogits")
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "none"}, {"reduction": "sum", "label_smoothing": 0.2}],
+                         ids=str)
+def test_class_weights_match_torch_module(device, kwargs):
+    weight = torch.rand(C, device=device) + 0.5
+    ref_mod = torch.nn.CrossEntropyLoss(weight=weight.double(), **kwargs)
+    ours = onca.nn.CrossEntropyLoss(weight=weight, **kwargs)
+    assert ours.state_dict().keys() == ref_mod.state_dict().keys() == {"weight"}
+    x = randn(N, C, device=device, std=2.0)
+    t = _target(device)
+    xr, xo = leaf(x.double()), leaf(x)
+    y_ref, y = ref_mod(xr, t), ours(xo, t)
+    assert_close(y, y_ref, torch.float32, "loss")
+    y_ref.sum().backward()
+    y.sum().backward()
+    assert_close(xo.grad, xr.grad, torch.float32, "dlogits")
+
+
+def test_token_metrics(device):
+    x = randn(N, C, device=device, std=2.0)
+    t = _target(device)
+    t[1::2] = x[1::2].argmax(-1)
+    m = onca.nn.CrossEntropyLoss(return_token_accuracy=True, return_predicted_tokens=True)
+    out = m(x, t)
+    expected = onca.functional.cross_entropy(x, t, return_token_accuracy=True, return_predicted_tokens=True)
+    assert isinstance(out, onca.functional.CrossEntropyOutput)
+    for a, b in zip(out, expected):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert out.token_accuracy > 0.4
+
+
 def test_extras_and_overwrite_logits(device):
     x = randn(N, C, device=device, std=2.0)
     t = _target(device)
@@ -59,8 +89,8 @@ def test_legacy_reduction_arguments():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="weight"):
-        onca.nn.CrossEntropyLoss(weight=torch.ones(C))
+    with pytest.raises(TypeError, match="weight must have a floating dtype"):
+        onca.nn.CrossEntropyLoss(weight=torch.ones(C, dtype=torch.int64))
     with pytest.raises(ValueError, match="reduction"):
         onca.nn.CrossEntropyLoss(reduction="avg")
     with pytest.raises(ValueError, match="label_smoothing"):

@@ -56,6 +56,25 @@ def test_module_matches_functional_and_repr(device):
     assert "softcap=30.0" in repr(m) and list(m.parameters()) == []
 
 
+def test_extended_options_match_functional_and_move_with_the_module(device):
+    hidden = randn(B * S, H, device=device)
+    weight = randn(V, H, device=device, std=0.2)
+    target = torch.randint(0, V, (B * S,), device=device)
+    target[::3] = -100
+    ce_weight = torch.rand(V, device=device) + 0.5
+    options = {"ce_weight": ce_weight, "use_token_scaling": True, "return_token_accuracy": True,
+               "return_predicted_tokens": True}
+    m = onca.nn.FusedLinearCrossEntropyLoss(label_smoothing=0.1, **options)
+    assert list(m.state_dict()) == ["ce_weight"] and list(m.parameters()) == []
+    out = m(hidden, weight, target)
+    expected = onca.functional.fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1,
+                                                          **options)
+    for a, b in zip(out, expected):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert out.z_loss is None and "use_token_scaling=True" in repr(m)
+    assert m.to(torch.float64).ce_weight.dtype == torch.float64  # a buffer: follows the module
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="reduction"):
         onca.nn.FusedLinearCrossEntropyLoss(reduction="batchmean")
@@ -65,3 +84,5 @@ def test_bad_arguments():
         onca.nn.FusedLinearCrossEntropyLoss(chunk_tokens=-1)
     with pytest.raises(ValueError, match="label_smoothing"):
         onca.nn.FusedLinearCrossEntropyLoss(label_smoothing=2.0)
+    with pytest.raises(TypeError, match="ce_weight must be a torch.Tensor"):
+        onca.nn.FusedLinearCrossEntropyLoss(ce_weight=[1.0, 2.0])

@@ -379,3 +379,233 @@ def test_op_contract(device, reduction, overwrite):
 
     backward = "scale_forward_gradient" if overwrite else "cross_entropy_backward"
     assert_op_contract(fn, (logits, target), expect_ops={"cross_entropy_forward", backward})
+
+
+# ------------------------------------------------------------- class weights, token metrics (issue 20)
+
+
+def loss_reference(z64, target, reduction, weight=None, ignore_index=IGNORE, label_smoothing=0.0,
+                   lse_square_scale=0.0, softcap=None, token_scaling=False):
+    """float64 loss of logits ``z64`` ``(N, V)``: torch's cross entropy (class weights, its weighted
+    mean) plus the z-loss (never class-weighted; a mean over the non-ignored count, as liger-kernel);
+    with ``token_scaling`` each token's terms times its detached probability of the target."""
+    if softcap is not None:
+        z64 = softcap * torch.tanh(z64 / softcap)
+    t = target.long()
+    w64 = weight.to(torch.float64) if weight is not None else None
+    valid = t != ignore_index
+    z = lse_square_scale * torch.logsumexp(z64, dim=-1) ** 2 * valid
+    ce_options = {"weight": w64, "ignore_index": ignore_index, "label_smoothing": label_smoothing}
+    if not token_scaling:  # torch itself reduces the cross-entropy part: its weighted mean
+        ce = F.cross_entropy(z64, t, reduction=reduction, **ce_options)
+        return ce + reduce_reference(z, valid.to(torch.float64), reduction)
+    safe = torch.where(valid, t, 0)
+    p_target = torch.softmax(z64.detach(), dim=-1).gather(1, safe[:, None])[:, 0] * valid
+    ce = F.cross_entropy(z64, t, reduction="none", **ce_options) * p_target
+    z = z * p_target
+    if reduction == "none":
+        return ce + z
+    if reduction == "sum":
+        return ce.sum() + z.sum()
+    denominator = valid.sum() if w64 is None else (w64[safe] * valid).sum()
+    return ce.sum() / denominator + z.sum() / valid.sum()
+
+
+def class_weights(vocab, device, dtype=torch.float32):
+    """Positive weights spread over a decade, so that a wrong class's weight shows."""
+    return (torch.rand(vocab, device=device) * 1.9 + 0.1).to(dtype)
+
+
+def check_weighted(logits, target, weight, reduction="mean", in_place=False, **options):
+    """Loss and gradient with class weights against torch's float64 cross entropy with them."""
+    dtype, vocab = logits.dtype, logits.shape[-1]
+    base = leaf(logits)
+    x = base.clone() if in_place else base
+    loss = cross_entropy(x, target, reduction=reduction, overwrite_logits=in_place, weight=weight, **options)
+    x64 = logits.detach().to(torch.float64).requires_grad_(True)
+    ref = loss_reference(x64.reshape(-1, vocab), target.reshape(-1), reduction, weight, **options)
+    ref = ref.view(target.shape) if reduction == "none" else ref
+    assert loss.dtype == dtype and loss.shape == ref.shape
+    assert_close(loss, ref, dtype, "loss")
+    dy = randn(*ref.shape, device=logits.device) if ref.dim() else torch.tensor(0.75, device=logits.device)
+    loss.backward(dy.to(dtype))
+    ref.backward(dy.to(dtype).to(torch.float64))
+    assert_close(base.grad, x64.grad, dtype, "dlogits")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_class_weights(profile, device, dtype, reduction, in_place):
+    logits = make_logits((TOKENS, VOCAB), dtype, device)
+    target = make_target(TOKENS, VOCAB, device)
+    weight = class_weights(VOCAB, device)
+    check_weighted(logits, target, weight, reduction, in_place)
+    # torch weighs the smoothing term by every class's weight too
+    check_weighted(logits, target, weight, reduction, in_place, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_class_weights_with_every_option(device, dtype):
+    logits = make_logits((TOKENS, VOCAB), dtype, device)
+    target = make_target(TOKENS, VOCAB, device)
+    weight = class_weights(VOCAB, device, torch.bfloat16)  # any float dtype, read in fp32
+    check_weighted(logits, target, weight, "mean", False, **OPTIONS["all"])
+    check_weighted(logits, target, weight, "none", True, **OPTIONS["all"])
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+def test_class_weights_column_tiled(profile, device, onchip_bytes, in_place):
+    forced = onchip_bytes(16384)
+    vocab, rows = VOCABS[1], {"cpu": 9, "gpu": TOKENS}[SCALE]
+    assert op.plan((rows, vocab), torch.bfloat16, forced)["weighted_smoothing"].col_tiles > 1
+    logits = make_logits((rows, vocab), torch.bfloat16, device)
+    weight = class_weights(vocab, device)
+    check_weighted(logits, make_target(rows, vocab, device), weight, "mean", in_place, **OPTIONS["all"])
+    check_weighted(logits, make_target(rows, vocab, device, ignore_every=0), weight, "none", in_place)
+
+
+def test_class_weights_every_token_ignored_and_empty(device):
+    """As torch: the weighted mean over no target is 0/0 = NaN, the sum 0; gradients zero."""
+    weight = class_weights(VOCAB, device)
+    for n in (5, 0):
+        logits = make_logits((n, VOCAB), torch.float32, device)
+        target = torch.full((n,), IGNORE, device=device)
+        for reduction in ("mean", "sum", "none"):
+            for in_place in (False, True):
+                base, ref_x = leaf(logits), leaf(logits)
+                x = base.clone() if in_place else base
+                loss = cross_entropy(x, target, reduction=reduction, weight=weight, overwrite_logits=in_place)
+                expected = F.cross_entropy(ref_x, target, weight=weight, reduction=reduction)
+                torch.testing.assert_close(loss, expected, equal_nan=True)
+                loss.sum().backward()
+                expected.sum().backward()
+                assert torch.equal(base.grad, ref_x.grad)
+
+
+def targets_half_predicted(logits, ignore_every=4):
+    """Targets of which about half are each token's argmax (so that the accuracy is neither 0 nor 1)
+    and every ``ignore_every``-th ignored."""
+    n, vocab = logits.shape
+    target = torch.randint(0, vocab, (n,), device=logits.device)
+    target[::2] = logits[::2].float().argmax(dim=-1)
+    target[::ignore_every] = IGNORE
+    return target
+
+
+def expected_metrics(logits64, target, reduction, ignore_index=IGNORE):
+    """liger-kernel's metrics from torch: argmax per token (-1 where ignored) and the accuracy (per
+    token, or the fraction of non-ignored tokens)."""
+    valid = target != ignore_index
+    predicted = torch.where(valid, logits64.argmax(dim=-1), -1)
+    correct = ((predicted == target) & valid).to(torch.float32)
+    return predicted, correct if reduction == "none" else correct.sum() / valid.sum()
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_accuracy_and_predicted_tokens(profile, device, dtype, reduction):
+    logits = make_logits((TOKENS, VOCAB), dtype, device)
+    target = targets_half_predicted(logits)
+    x = leaf(logits)
+    out = cross_entropy(x, target, reduction=reduction, return_token_accuracy=True,
+                        return_predicted_tokens=True)
+    assert isinstance(out, op.CrossEntropyOutput) and out.z_loss is None
+    predicted, accuracy = expected_metrics(logits.double(), target, reduction)
+    assert out.predicted_tokens.dtype == torch.int64 and torch.equal(out.predicted_tokens, predicted)
+    assert out.token_accuracy.dtype == torch.float32
+    torch.testing.assert_close(out.token_accuracy, accuracy, rtol=0, atol=1e-6)
+    assert 0 < accuracy.sum() and not out.token_accuracy.requires_grad
+    # The loss and its gradient are those without the metrics.
+    loss = cross_entropy(leaf(logits), target, reduction=reduction)
+    assert torch.equal(out.loss, loss)
+    out.loss.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+def test_metrics_column_tiled_soft_capped_3d(device, onchip_bytes, in_place):
+    """The argmax across column tiles (the first maximal class, also when a later tile ties it),
+    of the soft-capped logits, for (B, S, V) logits: outputs shaped like the target."""
+    forced = onchip_bytes(16384)
+    vocab = VOCABS[1]
+    assert op.plan((10, vocab), torch.float32, forced)["forward"].col_tiles > 1
+    logits = make_logits((2, 5, vocab), torch.float32, device)
+    target = targets_half_predicted(logits.view(10, vocab)).view(2, 5)
+    logits[0, 1, vocab - 3] = logits[0, 1, 7] = logits[0, 1].max() + 1.0  # a tie across tiles
+    base = leaf(logits)
+    x = base.clone() if in_place else base
+    out = cross_entropy(x, target, reduction="none", softcap=30.0, overwrite_logits=in_place,
+                        return_token_accuracy=True, return_predicted_tokens=True, return_z_loss=True)
+    capped = 30.0 * torch.tanh(logits.double() / 30.0)
+    predicted, accuracy = expected_metrics(capped.view(10, vocab), target.view(10), "none")
+    assert out.predicted_tokens.shape == target.shape and out.token_accuracy.shape == target.shape
+    assert out.predicted_tokens[0, 1] == 7
+    assert torch.equal(out.predicted_tokens.view(10), predicted)
+    assert torch.equal(out.token_accuracy.view(10), accuracy)
+    assert out.z_loss.shape == target.shape
+
+
+def test_metrics_every_token_ignored_and_empty(device):
+    """Nothing to predict: predicted tokens -1 (none for no tokens), accuracy 0 per token and NaN
+    as a fraction (0/0), as liger-kernel."""
+    for n in (5, 0):
+        logits = make_logits((n, VOCAB), torch.float32, device)
+        target = torch.full((n,), IGNORE, device=device)
+        for reduction in ("mean", "sum", "none"):
+            out = cross_entropy(logits, target, reduction=reduction, return_token_accuracy=True,
+                                return_predicted_tokens=True)
+            assert torch.equal(out.predicted_tokens, torch.full((n,), -1, device=device))
+            expected = torch.zeros(n) if reduction == "none" else torch.tensor(float("nan"))
+            torch.testing.assert_close(out.token_accuracy.cpu(), expected, equal_nan=True)
+
+
+def test_return_values(device):
+    """The loss alone; (loss, z_loss) for return_z_loss alone; else a CrossEntropyOutput with None
+    where a field was not asked for."""
+    logits = make_logits((6, 50), torch.float32, device)
+    target = make_target(6, 50, device)
+    loss = cross_entropy(logits, target)
+    assert isinstance(loss, torch.Tensor)
+    pair = cross_entropy(logits, target, return_z_loss=True)
+    assert type(pair) is tuple and len(pair) == 2
+    out = cross_entropy(logits, target, return_predicted_tokens=True)
+    assert out.z_loss is None and out.token_accuracy is None and out.predicted_tokens is not None
+    out = cross_entropy(logits, target, return_token_accuracy=True, return_z_loss=True)
+    assert out.z_loss is not None and out.token_accuracy is not None and out.predicted_tokens is None
+    loss, z_loss, _, _ = out
+    assert torch.equal(loss, pair[0]) and torch.equal(z_loss, pair[1])
+
+
+def test_bad_class_weights_and_switches(device):
+    x = randn(4, 10, device=device)
+    t = torch.tensor([1, 2, 3, IGNORE], device=device)
+    with pytest.raises(ValueError, match=r"weight must have shape \(10,\)"):
+        cross_entropy(x, t, weight=torch.ones(9, device=device))
+    with pytest.raises(TypeError, match="weight must have a floating dtype"):
+        cross_entropy(x, t, weight=torch.ones(10, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        cross_entropy(x, t, weight=[1.0] * 10)
+    with pytest.raises(ValueError, match="weight is on meta"):
+        cross_entropy(x, t, weight=torch.ones(10, device="meta"))
+    with pytest.raises(ValueError, match="weight takes no gradient"):
+        cross_entropy(x, t, weight=torch.ones(10, device=device, requires_grad=True))
+    with pytest.raises(TypeError, match="return_token_accuracy must be a bool"):
+        cross_entropy(x, t, return_token_accuracy=1)
+    with pytest.raises(TypeError, match="return_predicted_tokens must be a bool"):
+        cross_entropy(x, t, return_predicted_tokens="yes")
+
+
+@pytest.mark.parametrize("reduction,overwrite", [("mean", False), ("mean", True), ("none", False)])
+def test_op_contract_with_class_weights_and_metrics(device, reduction, overwrite):
+    logits = make_logits((2, 3, 40), torch.bfloat16, device).requires_grad_()
+    target = make_target(6, 40, device).view(2, 3)
+    weight = class_weights(40, device)
+
+    def fn(logits, target, weight):
+        return cross_entropy(logits * 1, target, reduction=reduction, lse_square_scale=1e-3,
+                             label_smoothing=0.1, overwrite_logits=overwrite, weight=weight,
+                             return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
+
+    backward = "scale_forward_gradient" if overwrite else "cross_entropy_backward"
+    assert_op_contract(fn, (logits, target, weight), expect_ops={"cross_entropy_forward", backward})

@@ -11,7 +11,16 @@ from onca.ops import fused_linear_cross_entropy as op
 from onca.ops.fused_linear_cross_entropy import chunk_plan, fused_linear_cross_entropy
 from tests.contract import assert_op_contract
 from tests.helpers import SCALE, assert_close, leaf, non_contiguous, randn, rounded
-from tests.ops.test_cross_entropy import IGNORE, OPTIONS, make_target, reduce_reference, reference_terms
+from tests.ops.test_cross_entropy import (
+    IGNORE,
+    OPTIONS,
+    class_weights,
+    expected_metrics,
+    loss_reference,
+    make_target,
+    reduce_reference,
+    reference_terms,
+)
 
 # (tokens, hidden, vocab): awkward vocabularies of real models scaled down on the CPU.
 SHAPES = {
@@ -429,6 +438,180 @@ def test_op_contract(device, reduction, bias):
     def fn(hidden, weight, target, bias=None):
         return fused_linear_cross_entropy(hidden, weight, target, bias, reduction=reduction,
                                           label_smoothing=0.1, chunk_tokens=4)
+
+    backward = "fused_linear_cross_entropy_backward" if reduction == "none" else "scale_forward_gradient"
+    assert_op_contract(fn, inputs, expect_ops={"fused_linear_cross_entropy_forward", backward})
+
+
+# ----------------------------------------- class weights, token scaling, token metrics (issue 20)
+
+
+def rounded_logits(h, w, b=None):
+    """float64 leaves and the head's logits rounded to the input dtype, as the eager head gives them."""
+    h64 = h.detach().to(torch.float64).requires_grad_(True)
+    w64 = w.detach().to(torch.float64).requires_grad_(True)
+    b64 = b.detach().to(torch.float64).requires_grad_(True) if b is not None else None
+    logits = h64.reshape(-1, h.shape[-1]) @ w64.T
+    if b64 is not None:
+        logits = logits + b64
+    return rounded(logits, h.dtype), (h64, w64, b64)
+
+
+def check_extended(h, w, b, target, reduction="mean", chunk_tokens=CHUNK, ce_weight=None,
+                   use_token_scaling=False, **options):
+    """Loss and gradients with class weights and/or token scaling against :func:`loss_reference`."""
+    dtype = h.dtype
+    hk, wk = leaf(h), leaf(w)
+    bk = leaf(b) if b is not None else None
+    loss = fused_linear_cross_entropy(hk, wk, target, bk, reduction=reduction, chunk_tokens=chunk_tokens,
+                                      ce_weight=ce_weight, use_token_scaling=use_token_scaling, **options)
+    logits, (h64, w64, b64) = rounded_logits(h, w, b)
+    ref = loss_reference(logits, target.reshape(-1), reduction, ce_weight, token_scaling=use_token_scaling,
+                         **options)
+    ref = ref.view(target.shape) if reduction == "none" else ref
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_close(loss, ref, dtype, "loss")
+    dy = randn(*ref.shape, device=h.device) if ref.dim() else torch.tensor(0.75, device=h.device)
+    loss.backward(dy)
+    ref.backward(dy.to(torch.float64))
+    assert_close(hk.grad, h64.grad, dtype, "dhidden")
+    assert_close(wk.grad, w64.grad, dtype, "dweight")
+    if b is not None:
+        assert_close(bk.grad, b64.grad, dtype, "dbias")
+
+
+def confident_inputs(shape, dtype, device, bias=False):
+    """Inputs whose logits are sharp enough that the target's probability (token scaling's factor)
+    is far from 0 on some tokens, and about half the targets are the argmax (accuracy near 1/2)."""
+    h, w, b, _ = make_inputs(shape, dtype, device, bias=bias)
+    w = (w.float() * 3).to(dtype)
+    logits, _ = rounded_logits(h, w, b)
+    return h, w, b, targets_from(logits)
+
+
+def targets_from(logits64):
+    """About half the targets the argmax of ``logits64``, every fourth ignored."""
+    target = torch.randint(0, logits64.shape[-1], (logits64.shape[0],), device=logits64.device)
+    target[::2] = logits64[::2].argmax(dim=-1)
+    target[::4] = IGNORE
+    return target
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_class_weights(profile, device, dtype, reduction):
+    h, w, b, t = make_inputs(BASE, dtype, device, bias=True)
+    ce_weight = class_weights(BASE[2], device)
+    check_extended(h, w, b, t, reduction, ce_weight=ce_weight)
+    check_extended(h, w, b, t, reduction, ce_weight=ce_weight, **OPTIONS["all"])
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_scaling(profile, device, dtype, reduction):
+    h, w, b, t = confident_inputs(BASE, dtype, device, bias=True)
+    check_extended(h, w, b, t, reduction, use_token_scaling=True)
+    check_extended(h, w, b, t, reduction, use_token_scaling=True, ce_weight=class_weights(BASE[2], device),
+                   **OPTIONS["all"])
+
+
+def test_token_scaling_is_not_the_plain_loss(device):
+    """Guards the test above: scaled and plain losses differ by far more than the tolerance."""
+    h, w, _, t = confident_inputs(BASE, torch.float32, device)
+    plain = fused_linear_cross_entropy(h, w, t, chunk_tokens=CHUNK)
+    scaled = fused_linear_cross_entropy(h, w, t, chunk_tokens=CHUNK, use_token_scaling=True)
+    assert 0 < scaled < 0.9 * plain
+
+
+def test_class_weights_and_token_scaling_column_tiled(device, onchip_bytes):
+    forced = onchip_bytes(16384)
+    assert op.plan(SHAPES[1], torch.bfloat16, forced)["cross_entropy"].col_tiles > 1
+    h, w, b, t = confident_inputs(SHAPES[1], torch.bfloat16, device, bias=True)
+    ce_weight = class_weights(SHAPES[1][2], device)
+    for reduction in ("mean", "none"):
+        check_extended(h, w, b, t, reduction, ce_weight=ce_weight, use_token_scaling=True, **OPTIONS["all"])
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_accuracy_and_predicted_tokens(profile, device, dtype, reduction):
+    """The metrics come from the chunks' logits (never a full logits tensor) and match the argmax
+    of the logits the eager head computes; the loss is the one without them."""
+    h, w, b, t = confident_inputs(BASE, dtype, device, bias=True)
+    hk = leaf(h)
+    out = fused_linear_cross_entropy(hk, w, t, b, reduction=reduction, chunk_tokens=CHUNK, softcap=30.0,
+                                     return_token_accuracy=True, return_predicted_tokens=True)
+    logits = torch.addmm(b, h, w.T).double()  # the head's matmul in the input dtype
+    predicted, accuracy = expected_metrics(30.0 * torch.tanh(logits / 30.0), t, reduction)
+    assert torch.equal(out.predicted_tokens, predicted)
+    torch.testing.assert_close(out.token_accuracy, accuracy, rtol=0, atol=1e-6)
+    assert 0.2 < accuracy.mean() < 1.0
+    plain = fused_linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_tokens=CHUNK, softcap=30.0)
+    assert torch.equal(out.loss, plain)
+    out.loss.sum().backward()
+    assert torch.isfinite(hk.grad).all()
+
+
+def test_options_every_token_ignored_and_empty(device):
+    """Class weights and token scaling over no target: torch's NaN mean, 0 sum, zero gradients;
+    predicted tokens -1, accuracy NaN as a fraction."""
+    vocab = 50
+    ce_weight = class_weights(vocab, device)
+    for n in (6, 0):
+        h, w = randn(n, 16, device=device), randn(vocab, 16, device=device)
+        t = torch.full((n,), IGNORE, device=device)
+        for reduction in ("mean", "sum", "none"):
+            hk, wk, hr, wr = leaf(h), leaf(w), leaf(h), leaf(w)
+            out = fused_linear_cross_entropy(hk, wk, t, reduction=reduction, ce_weight=ce_weight,
+                                             use_token_scaling=True, return_token_accuracy=True,
+                                             return_predicted_tokens=True, chunk_tokens=4)
+            expected = torch.nn.functional.cross_entropy(hr @ wr.T, t, weight=ce_weight, reduction=reduction)
+            torch.testing.assert_close(out.loss, expected, equal_nan=True)
+            assert torch.equal(out.predicted_tokens, torch.full((n,), -1, device=device))
+            assert out.token_accuracy.isnan().all() if reduction != "none" else not out.token_accuracy.any()
+            out.loss.sum().backward()
+            expected.sum().backward()
+            assert torch.equal(hk.grad, hr.grad) and torch.equal(wk.grad, wr.grad)
+
+
+def test_autocast_keeps_class_weights(device):
+    """Under autocast the head runs in bf16; the class weights stay as given (fp32)."""
+    h, w, _, t = make_inputs(BASE, torch.float32, device)
+    ce_weight = class_weights(BASE[2], device) + 1e-3  # not representable in bf16
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(h, w, t, chunk_tokens=CHUNK, ce_weight=ce_weight)
+    logits, _ = rounded_logits(h.to(torch.bfloat16), w.to(torch.bfloat16))
+    assert_close(loss, loss_reference(logits, t, "mean", ce_weight), torch.bfloat16, "loss")
+
+
+def test_bad_extended_options(device):
+    h, w, _, t = make_inputs((8, 16, 50), torch.float32, device)
+    f = fused_linear_cross_entropy
+    with pytest.raises(ValueError, match=r"ce_weight must have shape \(50,\)"):
+        f(h, w, t, ce_weight=torch.ones(16, device=device))
+    with pytest.raises(TypeError, match="ce_weight must have a floating dtype"):
+        f(h, w, t, ce_weight=torch.ones(50, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="ce_weight takes no gradient"):
+        f(h, w, t, ce_weight=torch.ones(50, device=device, requires_grad=True))
+    with pytest.raises(TypeError, match="use_token_scaling must be a bool"):
+        f(h, w, t, use_token_scaling=1)
+    with pytest.raises(TypeError, match="return_token_accuracy must be a bool"):
+        f(h, w, t, return_token_accuracy=None)
+    with pytest.raises(TypeError, match="return_predicted_tokens must be a bool"):
+        f(h, w, t, return_predicted_tokens=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_op_contract_with_extended_options(device, reduction):
+    h, w, b, t = make_inputs((2 * 5, 8, 40), torch.float32, device, bias=True)
+    inputs = (h.view(2, 5, 8).requires_grad_(), w.requires_grad_(), t.view(2, 5), b.requires_grad_(),
+              class_weights(40, device))
+
+    def fn(hidden, weight, target, bias, ce_weight):
+        return fused_linear_cross_entropy(hidden, weight, target, bias, reduction=reduction,
+                                          label_smoothing=0.1, lse_square_scale=1e-3, chunk_tokens=4,
+                                          ce_weight=ce_weight, use_token_scaling=True, return_z_loss=True,
+                                          return_token_accuracy=True, return_predicted_tokens=True)
 
     backward = "fused_linear_cross_entropy_backward" if reduction == "none" else "scale_forward_gradient"
     assert_op_contract(fn, inputs, expect_ops={"fused_linear_cross_entropy_forward", backward})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from onca.ops._validate import check_float
 from onca.ops.cross_entropy import validate_options
 from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
@@ -14,14 +15,22 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     ``forward(hidden, weight, target, bias=None)``: the head's weight is an argument (it belongs to
     the model, e.g. ``model.lm_head.weight``, possibly tied to the embedding), so this module has
-    no parameters. Options as :class:`CrossEntropyLoss` plus ``accum_dtype`` (``torch.float32``:
-    accumulate the weight gradient in fp32) and ``chunk_tokens`` (override the tokens per chunk).
+    no parameters. Options as :class:`CrossEntropyLoss` (per-class weights are ``ce_weight``, a
+    buffer, as liger-kernel names them) plus ``accum_dtype`` (``torch.float32``: accumulate the
+    weight gradient in fp32), ``chunk_tokens`` (override the tokens per chunk) and
+    ``use_token_scaling`` (each token's loss times its detached probability of the target). See
+    :func:`onca.ops.fused_linear_cross_entropy.fused_linear_cross_entropy`.
     """
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
-                 accum_dtype: torch.dtype | None = None, chunk_tokens: int | None = None):
+                 accum_dtype: torch.dtype | None = None, chunk_tokens: int | None = None, *,
+                 ce_weight: torch.Tensor | None = None, use_token_scaling: bool = False,
+                 return_token_accuracy: bool = False, return_predicted_tokens: bool = False):
         super().__init__()
+        if ce_weight is not None:
+            check_float(ce_weight, "ce_weight")
+        self.register_buffer("ce_weight", ce_weight)
         validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
         if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
             raise ValueError(f"accum_dtype must be None or a floating torch.dtype, got {accum_dtype!r}")
@@ -36,12 +45,18 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self.return_z_loss = return_z_loss
         self.accum_dtype = accum_dtype
         self.chunk_tokens = chunk_tokens
+        self.use_token_scaling = use_token_scaling
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None):
         return fused_linear_cross_entropy(
             hidden, weight, target, bias, self.ignore_index, self.label_smoothing, self.reduction,
             self.lse_square_scale, self.softcap, self.return_z_loss, self.accum_dtype, self.chunk_tokens,
+            ce_weight=self.ce_weight, use_token_scaling=self.use_token_scaling,
+            return_token_accuracy=self.return_token_accuracy,
+            return_predicted_tokens=self.return_predicted_tokens,
         )
 
     def extra_repr(self) -> str:
@@ -52,4 +67,6 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             extras += f", softcap={self.softcap}"
         if self.accum_dtype is not None:
             extras += f", accum_dtype={self.accum_dtype}"
+        if self.use_token_scaling:
+            extras += ", use_token_scaling=True"
         return extras

@@ -4,20 +4,31 @@ Per token ``i`` with target ``y`` (tokens whose target is ``ignore_index`` contr
 
     z       = softcap * tanh(logits / softcap)          (only when ``softcap`` is given; Gemma 2)
     lse     = log(sum_j exp(z_j))
-    loss_i  = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + lse_square_scale * lse**2
+    ce_i    = (1 - eps) * w_y * (lse - z_y) + eps / V * sum_j w_j * (lse - z_j)
+    loss_i  = ce_i + lse_square_scale * lse**2
 
-with ``eps = label_smoothing``; this is ``torch.nn.functional.cross_entropy`` plus the PaLM z-loss
-(``lse_square_scale``). ``reduction="mean"`` divides the sum by the number of non-ignored tokens,
-counted on the device, as torch does: with every token ignored (or no tokens at all) the mean is
-``0 / 0 = NaN`` and the gradient is zero, as in torch. ``return_z_loss=True`` also returns the
-z-loss term alone (reduced the same way, for logging: it is already part of the loss and takes no
-gradient of its own). A target outside ``[0, vocab)`` that is not ``ignore_index`` is never read
-through: that token's loss and gradient are NaN (checked in the kernel, with no host
-synchronisation), so the loss shows the bad label.
+with ``eps = label_smoothing`` and the class weights ``w`` (all 1 without ``weight``); this is
+``torch.nn.functional.cross_entropy`` plus the PaLM z-loss (``lse_square_scale``).
+``reduction="mean"`` divides the cross-entropy part by the summed weights of the non-ignored
+targets (their count without class weights: torch's weighted mean) and the z-loss part by the
+count (the z-loss is never class-weighted, as in liger-kernel), both on the device: with every
+token ignored (or no tokens at all) the mean is ``0 / 0 = NaN`` and the gradient is zero, as in
+torch. ``return_z_loss=True`` also returns the z-loss term alone (reduced the same way, for
+logging: it is already part of the loss and takes no gradient of its own). A target outside
+``[0, vocab)`` that is not ``ignore_index`` is never read through: that token's loss and gradient
+are NaN (checked in the kernel, with no host synchronisation), so the loss shows the bad label.
 
-Gradient (per token, before the reduction's scale)::
+The same pass finds each token's argmax (the first maximal class of the soft-capped logits) when
+the token accuracy or the predicted tokens are asked for: liger-kernel's metrics, with no
+gradient. Fused linear cross entropy's token scaling multiplies ``loss_i`` and its gradient by
+``softmax(z)_y``, a constant per token.
 
-    dloss/dz_j = softmax(z)_j * (1 + 2 * lse_square_scale * lse) - eps / V - (1 - eps) * [j == y]
+Gradient (per token, before the reduction's scales ``s`` of the cross-entropy part, ``s_z`` of
+the z-loss part)::
+
+    dloss/dz_j = softmax(z)_j * (s * ((1 - eps) * w_y + eps / V * sum_k w_k)
+                                 + s_z * 2 * lse_square_scale * lse)
+                 - s * eps / V * w_j - s * (1 - eps) * w_y * [j == y]
 
 times ``1 - (z_j / softcap)**2`` through the soft cap.
 
@@ -47,6 +58,8 @@ The loss has the logits' dtype (as torch's); per-token losses are accumulated in
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -65,8 +78,10 @@ from onca.ops._validate import (
 )
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["cross_entropy", "REDUCTIONS", "plan", "cross_entropy_rows", "validate_options", "check_target",
-           "count_targets", "reduce_rows", "scale_forward_gradient", "ForwardGradients"]
+__all__ = ["cross_entropy", "CrossEntropyOutput", "REDUCTIONS", "plan", "cross_entropy_rows",
+           "validate_options", "check_target", "check_class_weight", "count_targets", "class_weight_sums",
+           "gradient_scales", "reduce_rows", "reduce_loss", "token_accuracy", "fake_predictions",
+           "loss_outputs", "scale_forward_gradient", "ForwardGradients"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -75,6 +90,10 @@ REDUCTIONS = ("none", "mean", "sum")
 # (fp32). Counting fewer lets the GPU plan put 16 elements per thread in 16 warps, which caps a
 # thread at 128 registers and spills (tools/sm90_compile.py shows it).
 TILES = dict(live_tiles=2, fp32_tiles=4)
+# With class weights and label smoothing the gradient pass also holds a tile of weights and the
+# weighted smoothing term (fp32); counting fewer than 7 spills fp32 logits' forward-with-gradient
+# variant on sm_90 (8192 columns in 16 warps; tools/sm90_compile.py shows it).
+WEIGHTED_SMOOTHING_TILES = dict(live_tiles=2, fp32_tiles=7)
 # The rescaling kernel: the tile as loaded and as stored, and its fp32 product.
 RESCALE_TILES = dict(live_tiles=2, fp32_tiles=1)
 
@@ -104,17 +123,30 @@ def _load_logits(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _gradient(p, x, cols, y, scale, z_factor, smooth_eps, target_weight, softcap,
-              HAS_SOFTCAP: tl.constexpr):
-    """dloss/dlogits of a tile (fp32) from its softmax ``p``, already multiplied by each row's
-    ``scale``, which is 0 on ignored rows (their ``p`` is 0 too: the whole row comes out 0).
-    ``x`` holds the (soft-capped) logits, ``-inf`` where masked (read for the soft cap's
-    derivative only)."""
-    # Row terms first, so that each element costs one fma and one select.
-    pz = scale * z_factor
-    off = scale * smooth_eps
-    g = p * pz[:, None] - off[:, None]
-    g = tl.where(cols[None, :] == y[:, None], g - (scale * target_weight)[:, None], g)
+def _class_weights(weight_ptr, cols, mask, HAS_WEIGHT: tl.constexpr):
+    """The fp32 class weights of a tile of columns (0 where masked); 1 without class weights."""
+    w = tl.where(mask, 1.0, 0.0)
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _gradient(p, x, cols, y, p_coef, off, y_coef, w, softcap, HAS_SOFTCAP: tl.constexpr,
+              WEIGHTED_OFF: tl.constexpr):
+    """dloss/dlogits of a tile (fp32) from its softmax ``p`` and per-row coefficients (each already
+    multiplied by the row's scale, 0 on ignored rows, whose ``p`` is 0 too: the row comes out 0)::
+
+        g_j = p_j * p_coef - off * w_j - y_coef * [j == y]
+
+    ``w`` is the tile's class weights (read only with ``WEIGHTED_OFF``: label smoothing spreads
+    the weighted uniform target over the classes). ``x`` holds the (soft-capped) logits, ``-inf``
+    where masked (read for the soft cap's derivative only)."""
+    if WEIGHTED_OFF:
+        g = p * p_coef[:, None] - off[:, None] * w[None, :]
+    else:
+        g = p * p_coef[:, None] - off[:, None]
+    g = tl.where(cols[None, :] == y[:, None], g - y_coef[:, None], g)
     if HAS_SOFTCAP:
         t = tl.where(x == float("-inf"), 0.0, x) * (1.0 / softcap)  # masked columns: no 0 * inf
         g = g * (1.0 - t * t)
@@ -123,28 +155,42 @@ def _gradient(p, x, cols, y, scale, z_factor, smooth_eps, target_weight, softcap
 
 @triton.jit
 def _cross_entropy_kernel(
-    x_ptr, target_ptr, grad_ptr, loss_ptr, lse_ptr, scale_ptr,
+    x_ptr, target_ptr, grad_ptr, loss_ptr, z_ptr, lse_ptr, pred_ptr, scale_ptr, z_scale_ptr,
+    weight_ptr, weight_total_ptr,
     n_rows, n_cols, x_row_stride, grad_row_stride, scale_stride,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     COMPUTE_LSE: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    WRITE_PRED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    WEIGHTED_OFF: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
     """One kernel, three uses:
 
-    - ``COMPUTE_LSE`` and not ``WRITE_GRAD``: loss and lse per row (forward without gradient);
-    - ``COMPUTE_LSE`` and ``WRITE_GRAD``: loss, lse and the gradient (forward with gradient);
+    - ``COMPUTE_LSE`` and not ``WRITE_GRAD``: loss, z-loss and lse per row (forward without gradient);
+    - ``COMPUTE_LSE`` and ``WRITE_GRAD``: those and the gradient (forward with gradient);
     - ``WRITE_GRAD`` alone: the gradient from a saved ``lse`` (deferred backward).
 
+    The loss written is the cross-entropy part (class-weighted); the z-loss is written apart, so
+    that a weighted mean can divide each by its own count. ``WRITE_PRED`` also writes each row's
+    argmax (the first maximal class; -1 on ignored rows), found in the same pass.
+
     The gradient of row ``r`` is scaled by ``scale_ptr[r * scale_stride]`` when ``HAS_SCALE`` (stride
-    0 for a scalar such as ``1 / n`` of a mean, 1 per token). ``grad_ptr`` may be ``x_ptr``: each
-    program reads a tile before it writes that tile, and no other program touches the row.
+    0 for a scalar such as ``1 / n`` of a mean, 1 per token), its z-loss part by ``z_scale_ptr[...]``
+    (the same tensor unless the cross-entropy part is a weighted mean). ``WEIGHTED_OFF`` is
+    ``HAS_WEIGHT and HAS_SMOOTHING`` (the gradient then reads the class weights of every column).
+    ``TOKEN_SCALING`` multiplies
+    each row's loss, z-loss and gradient by the row's probability of its target (a constant: no
+    gradient flows through it). ``grad_ptr`` may be ``x_ptr``: each program reads a tile before it
+    writes that tile, and no other program touches the row.
 
     A target outside ``[0, n_cols)`` that is not ``ignore_index`` is never used as an offset: its
     row's loss and gradient are NaN, so that a bad label shows in the loss without a host check.
@@ -154,19 +200,30 @@ def _cross_entropy_kernel(
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
     smooth_eps = label_smoothing / n_cols
-    target_weight = 1.0 - label_smoothing
+    # The summed class weights (n_cols without weights), for the smoothing term.
+    weight_total = n_cols * 1.0
+    if HAS_WEIGHT:
+        weight_total = tl.load(weight_total_ptr).to(tl.float32)
     for row_block in tl.range(pid, n_row_blocks, n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
         valid = row_mask & (y != ignore_index)
         bad = valid & ((y < 0) | (y >= n_cols))
+        readable = valid & ~bad
         # Class indices fit int32 (the vocabulary does): compared per element in 32 bits.
-        y = tl.where(valid & ~bad, y, 0).to(tl.int32)
+        y = tl.where(readable, y, 0).to(tl.int32)
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
+        w_y = tl.where(readable, 1.0, 0.0)
+        if HAS_WEIGHT:
+            w_y = tl.load(weight_ptr + y, mask=readable, other=0.0).to(tl.float32)
+        if COMPUTE_LSE or TOKEN_SCALING:
+            # The target's logit: one scalar load per row, before any gradient overwrites it.
+            x_y = tl.load(x_ptr + rows64 * x_row_stride + y.to(tl.int64), mask=readable, other=0.0)
+            x_y = _capped(x_y.to(tl.float32), softcap, HAS_SOFTCAP)
 
-        # 1. The log-sum-exp (and the loss), or the saved log-sum-exp.
+        # 1. The log-sum-exp (and the losses, the argmax), or the saved log-sum-exp.
         if COMPUTE_LSE:
             if COL_TILES == 1:
                 # The whole row is one tile: this load also serves the gradient below.
@@ -177,66 +234,92 @@ def _cross_entropy_kernel(
                 e = tl.exp(x - m[:, None])
                 d = tl.where(valid, tl.sum(e, axis=1), 1.0)
                 if HAS_SMOOTHING:
-                    x_sum = tl.sum(tl.where(mask, x, 0.0), axis=1)
+                    w = _class_weights(weight_ptr, col_offsets, col_mask, HAS_WEIGHT)
+                    x_sum = tl.sum(tl.where(mask, x, 0.0) * w[None, :], axis=1)
+                if WRITE_PRED:
+                    best = tl.argmax(x, axis=1, tie_break_left=True)
             else:
                 # Online log-sum-exp over the row's column tiles: running max and sum of exp.
                 m = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
                 d = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
                 x_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+                best = tl.zeros([BLOCK_ROWS], dtype=tl.int32)
                 for tile in range(COL_TILES):
                     cols = tile * BLOCK_COLS + col_offsets
-                    mask = valid[:, None] & (cols < n_cols)[None, :]
+                    col_mask = cols < n_cols
+                    mask = valid[:, None] & col_mask[None, :]
                     xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP)
-                    m_new = tl.maximum(m, tl.max(xt, axis=1))
+                    tile_max = tl.max(xt, axis=1)
+                    if WRITE_PRED:
+                        # Strictly greater: an equal maximum in a later tile keeps the first index.
+                        tile_best = tl.argmax(xt, axis=1, tie_break_left=True) + tile * BLOCK_COLS
+                        best = tl.where(tile_max > m, tile_best, best)
+                    m_new = tl.maximum(m, tile_max)
                     # Rows with nothing loaded yet (ignored rows) keep m = -inf; shift them by 0.
                     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
                     d = d * tl.exp(m - shift) + tl.sum(tl.exp(xt - shift[:, None]), axis=1)
                     m = m_new
                     if HAS_SMOOTHING:
-                        x_sum += tl.sum(tl.where(mask, xt, 0.0), axis=1)
+                        w = _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT)
+                        x_sum += tl.sum(tl.where(mask, xt, 0.0) * w[None, :], axis=1)
                 m = tl.where(valid, m, 0.0)
                 d = tl.where(valid, d, 1.0)
             lse = tl.where(valid, m + tl.log(d), 0.0)
-            # The target's logit: one scalar load per row, before any gradient overwrites it.
-            x_y = tl.load(x_ptr + rows64 * x_row_stride + y.to(tl.int64), mask=valid & ~bad, other=0.0)
-            x_y = x_y.to(tl.float32)
-            x_y = _capped(x_y, softcap, HAS_SOFTCAP)
+            # (1 - eps) * w_y * (lse - x_y) + eps / V * sum_j w_j * (lse - x_j), as torch weighs it.
+            loss = (1.0 - label_smoothing) * w_y * (lse - x_y)
             if HAS_SMOOTHING:
-                loss = lse - target_weight * x_y - smooth_eps * x_sum
-            else:
-                loss = lse - x_y
-            if HAS_Z:
-                loss += lse_square_scale * lse * lse
+                loss += smooth_eps * (weight_total * lse - x_sum)
+            z = lse_square_scale * lse * lse
+            if TOKEN_SCALING:
+                factor = tl.exp(x_y - lse)
+                loss *= factor
+                z *= factor
             loss = tl.where(bad, float("nan"), tl.where(valid, loss, 0.0))
             tl.store(loss_ptr + rows, loss, mask=row_mask)
+            tl.store(z_ptr + rows, tl.where(valid, z, 0.0), mask=row_mask)
             tl.store(lse_ptr + rows, lse, mask=row_mask)
+            if WRITE_PRED:
+                tl.store(pred_ptr + rows, tl.where(valid, best, -1).to(tl.int64), mask=row_mask)
         else:
             lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
 
         # 2. The gradient, scaled, written over the logits or into its own buffer.
         if WRITE_GRAD:
-            if COMPUTE_LSE:
+            if COMPUTE_LSE or TOKEN_SCALING:
                 # The gradient may overwrite the logits: every thread's read of x_y comes first.
                 tl.debug_barrier()
             scale = tl.where(valid, 1.0, 0.0)
+            z_scale = scale
             if HAS_SCALE:
                 s = tl.load(scale_ptr + rows * scale_stride, mask=valid, other=0.0)
                 scale = scale * s.to(tl.float32)
+                z_scale = scale
+                if HAS_Z:
+                    zs = tl.load(z_scale_ptr + rows * scale_stride, mask=valid, other=0.0)
+                    z_scale = tl.where(valid, zs.to(tl.float32), 0.0)
+            if TOKEN_SCALING:
+                factor = tl.exp(x_y - lse)
+                scale = scale * factor
+                z_scale = z_scale * factor
             scale = tl.where(bad, float("nan"), scale)
-            z_factor = tl.zeros([BLOCK_ROWS], dtype=tl.float32) + 1.0
+            # Row coefficients first, so that each element costs one fma and one select.
+            y_coef = scale * ((1.0 - label_smoothing) * w_y)
+            p_coef = y_coef + scale * (smooth_eps * weight_total)
             if HAS_Z:
-                z_factor = 1.0 + 2.0 * lse_square_scale * lse
+                p_coef += z_scale * (2.0 * lse_square_scale) * lse
+            off = scale * smooth_eps
             g_rows = grad_ptr + rows64[:, None] * grad_row_stride
             if COL_TILES == 1:
+                col_mask = col_offsets < n_cols
                 if COMPUTE_LSE:
                     p = e * (1.0 / d)[:, None]  # the exponentials are still here: no second exp
                 else:
-                    col_mask = col_offsets < n_cols
                     mask = valid[:, None] & col_mask[None, :]
                     x = _load_logits(x_rows + col_offsets[None, :], mask, softcap, HAS_SOFTCAP)
                     p = tl.exp(x - lse[:, None])
-                g = _gradient(p, x, col_offsets, y, scale, z_factor, smooth_eps, target_weight,
-                              softcap, HAS_SOFTCAP)
+                w = _class_weights(weight_ptr, col_offsets, col_mask, WEIGHTED_OFF)
+                g = _gradient(p, x, col_offsets, y, p_coef, off, y_coef, w, softcap, HAS_SOFTCAP,
+                              WEIGHTED_OFF)
                 tl.store(g_rows + col_offsets[None, :], g.to(grad_ptr.dtype.element_ty),
                          mask=row_mask[:, None] & col_mask[None, :])
             else:
@@ -245,11 +328,11 @@ def _cross_entropy_kernel(
                     col_mask = cols < n_cols
                     mask = valid[:, None] & col_mask[None, :]
                     xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP)
-                    g = _gradient(tl.exp(xt - lse[:, None]), xt, cols, y, scale, z_factor, smooth_eps,
-                                  target_weight, softcap, HAS_SOFTCAP)
+                    w = _class_weights(weight_ptr, cols, col_mask, WEIGHTED_OFF)
+                    g = _gradient(tl.exp(xt - lse[:, None]), xt, cols, y, p_coef, off, y_coef, w, softcap,
+                                  HAS_SOFTCAP, WEIGHTED_OFF)
                     tl.store(g_rows + cols[None, :], g.to(grad_ptr.dtype.element_ty),
                              mask=row_mask[:, None] & col_mask[None, :])
-
 
 
 @triton.jit
@@ -294,10 +377,12 @@ def _rescale_kernel(
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The kernel's plan for logits of ``shape`` (``(..., vocab)``). Forward (loss, and the gradient
-    when it is computed there) and deferred backward launch the same kernel with the same plan."""
+    when it is computed there) and deferred backward launch the same kernel with the same plan;
+    class weights with label smoothing add a tile of weights (``weighted_smoothing``)."""
     rows, cols = rows_cols(shape)
     p = plan_rows(rows, cols, dtype, profile=profile, **TILES)
-    return {"forward": p, "backward": p}
+    weighted = plan_rows(rows, cols, dtype, profile=profile, **WEIGHTED_SMOOTHING_TILES)
+    return {"forward": p, "backward": p, "weighted_smoothing": weighted}
 
 
 def cross_entropy_rows(
@@ -309,29 +394,46 @@ def cross_entropy_rows(
     lse_square_scale: float,
     softcap: float,
     compute_lse: bool,
-    loss: Tensor | None,
     lse: Tensor,
+    loss: Tensor | None = None,
+    z: Tensor | None = None,
+    predicted: Tensor | None = None,
     grad: Tensor | None = None,
     scale: Tensor | None = None,
+    z_scale: Tensor | None = None,
+    weight: Tensor | None = None,
+    weight_total: Tensor | None = None,
+    token_scaling: bool = False,
 ) -> None:
     """Launch the kernel over the rows of ``x`` (``(rows, vocab)``, unit column stride, rows >= 1).
 
-    With ``compute_lse`` it writes the fp32 ``loss`` and ``lse`` of each row, else it reads ``lse``.
-    When ``grad`` is given (it may be ``x`` itself), the gradient, scaled per row by ``scale`` (a
-    0-d or ``(rows,)`` tensor on the device) when given, is written into it. ``softcap`` 0 is none.
-    No validation here: the public functions validate.
+    With ``compute_lse`` it writes the fp32 ``loss`` (the cross-entropy part), ``z`` (the z-loss
+    part) and ``lse`` of each row, and the int64 argmax into ``predicted`` when given; else it
+    reads ``lse``. When ``grad`` is given (it may be ``x`` itself), the gradient is written into
+    it, scaled per row by ``scale`` (a 0-d or ``(rows,)`` tensor on the device; None: 1), its
+    z-loss part by ``z_scale`` (default ``scale``). ``weight``: the class weights, with
+    ``weight_total`` their fp32 sum (0-d). ``softcap`` 0 is none. No validation here: the public
+    functions validate.
     """
     rows, cols = x.shape
-    p = plan_rows(rows, cols, x.dtype, **TILES)
+    weighted_smoothing = weight is not None and label_smoothing > 0
+    p = plan_rows(rows, cols, x.dtype, **(WEIGHTED_SMOOTHING_TILES if weighted_smoothing else TILES))
     write_grad = grad is not None
     scale_stride = 0 if scale is None or scale.dim() == 0 else scale.stride(0)
+    if z_scale is None:
+        z_scale = scale
+    # Pointers an option leaves unused point at a tensor the kernel never reads through them.
     _cross_entropy_kernel[(p.grid,)](
-        x, target, grad if write_grad else x, loss if compute_lse else lse, lse,
-        scale if scale is not None else lse,
+        x, target, grad if write_grad else x, loss if compute_lse else lse, z if compute_lse else lse, lse,
+        predicted if predicted is not None else target, scale if scale is not None else lse,
+        z_scale if z_scale is not None else lse, weight if weight is not None else lse,
+        weight_total if weight_total is not None else lse,
         rows, cols, x.stride(0), grad.stride(0) if write_grad else 0, scale_stride,
         ignore_index, label_smoothing, lse_square_scale, softcap if softcap else 1.0,
-        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, HAS_SOFTCAP=softcap != 0.0,
-        HAS_SMOOTHING=label_smoothing > 0, HAS_Z=lse_square_scale != 0, HAS_SCALE=scale is not None,
+        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, WRITE_PRED=predicted is not None,
+        HAS_SOFTCAP=softcap != 0.0, HAS_SMOOTHING=label_smoothing > 0, HAS_Z=lse_square_scale != 0,
+        HAS_SCALE=scale is not None, HAS_WEIGHT=weight is not None, WEIGHTED_OFF=weighted_smoothing,
+        TOKEN_SCALING=token_scaling,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
@@ -342,6 +444,29 @@ def count_targets(target: Tensor, ignore_index: int) -> Tensor:
     return (target != ignore_index).sum()
 
 
+def class_weight_sums(weight: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """``(sum of every class weight, sum of the non-ignored targets' weights)``: fp32 0-d tensors
+    on the device, the second the denominator of torch's weighted mean. A target outside the
+    vocabulary counts class 0's weight (its loss is NaN anyway)."""
+    w = weight.to(torch.float32)
+    valid = target != ignore_index
+    index = torch.where(valid & (target >= 0) & (target < w.shape[0]), target, 0)
+    return w.sum(), (w.index_select(0, index) * valid).sum()
+
+
+def gradient_scales(grad_loss: Tensor | None, reduction: str, n_valid: Tensor,
+                    target_weight_sum: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """The scales of the cross-entropy and z-loss parts of the logits' gradient for the incoming
+    gradient ``grad_loss`` (None: 1). A mean divides the first by the summed weights of the
+    targets (the count of non-ignored tokens without class weights) and the second by the count:
+    the z-loss is not class-weighted, as in liger-kernel."""
+    if reduction != "mean":
+        return grad_loss, grad_loss
+    one = grad_loss if grad_loss is not None else torch.ones((), dtype=torch.float32, device=n_valid.device)
+    z_scale = one / n_valid
+    return (z_scale if target_weight_sum is None else one / target_weight_sum), z_scale
+
+
 def reduce_rows(per_row: Tensor, reduction: str, n_valid: Tensor) -> Tensor:
     """Per-row fp32 values reduced as torch reduces a loss (a mean over ``n_valid``, NaN when 0)."""
     if reduction == "none":
@@ -350,67 +475,110 @@ def reduce_rows(per_row: Tensor, reduction: str, n_valid: Tensor) -> Tensor:
     return total / n_valid if reduction == "mean" else total
 
 
+def reduce_loss(ce_rows: Tensor, z_rows: Tensor, reduction: str, n_valid: Tensor,
+                target_weight_sum: Tensor | None) -> Tensor:
+    """The loss from its per-row cross-entropy and z-loss parts: a mean divides the first by the
+    summed target weights (torch's weighted mean), the second by the count of non-ignored tokens."""
+    if reduction != "mean" or target_weight_sum is None:
+        return reduce_rows(ce_rows + z_rows, reduction, n_valid)
+    return ce_rows.sum() / target_weight_sum + z_rows.sum() / n_valid
+
+
+def token_accuracy(predicted: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                   n_valid: Tensor) -> Tensor:
+    """Whether each non-ignored token's argmax is its target (fp32 1/0, 0 when ignored) with
+    ``reduction="none"``; else the fraction of non-ignored tokens predicted right (NaN for none),
+    as liger-kernel reports it for ``"mean"`` and ``"sum"`` alike."""
+    correct = ((predicted == target) & (target != ignore_index)).to(torch.float32)
+    return correct if reduction == "none" else correct.sum() / n_valid
+
+
+def _no_rows(like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The placeholder for an output an option did not ask for."""
+    return like.new_empty(0, dtype=dtype)
+
+
 @custom_op("cross_entropy_forward")
-def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
-                          lse_square_scale: float, softcap: float, reduction: str, gradient_in_forward: bool,
-                          overwrite_logits: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, z_loss, lse, grad)`` of the 2-D ``logits``: ``loss`` and ``z_loss`` reduced, in the
-    logits' dtype; ``lse`` fp32 per row. With ``gradient_in_forward`` the gradient for a unit
-    incoming gradient is computed too: into ``grad``, or (``overwrite_logits``, eager route only)
-    over the logits, ``grad`` then being empty."""
+def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
+                          label_smoothing: float, lse_square_scale: float, softcap: float, reduction: str,
+                          predictions: bool, gradient_in_forward: bool,
+                          overwrite_logits: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z_loss, lse, grad, token_accuracy, predicted)`` of the 2-D ``logits``: ``loss`` and
+    ``z_loss`` reduced, in the logits' dtype; ``lse`` fp32 per row. With ``gradient_in_forward`` the
+    gradient for a unit incoming gradient is computed too: into ``grad``, or (``overwrite_logits``,
+    eager route only) over the logits, ``grad`` then being empty. With ``predictions`` the argmax
+    per row (int64, -1 where ignored) and the token accuracy reduced like the loss (fp32); empty
+    otherwise."""
     rows, vocab = logits.shape
     keep_grad = gradient_in_forward and not overwrite_logits
     grad = logits.new_empty((rows, vocab) if keep_grad else (0,))
-    loss_rows = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    ce_rows, z_rows, lse = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    predicted = torch.empty(rows if predictions else 0, dtype=torch.int64, device=logits.device)
     n_valid = count_targets(target, ignore_index)
+    weight_total, target_weight_sum = (class_weight_sums(weight, target, ignore_index) if weight is not None
+                                       else (None, None))
     if rows:
         if gradient_in_forward and overwrite_logits:
             # The logits are about to hold the gradient: a graph that saved them must fail loudly.
             torch.autograd.graph.increment_version(logits)
         into = (logits if overwrite_logits else grad) if gradient_in_forward else None
-        mean_scale = reduction == "mean" and into is not None
-        scale = torch.reciprocal(n_valid.to(torch.float32)) if mean_scale else None
+        scale, z_scale = gradient_scales(None, reduction, n_valid, target_weight_sum)
         cross_entropy_rows(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=True,
-                           loss=loss_rows, lse=lse, grad=into, scale=scale)
-    loss = reduce_rows(loss_rows, reduction, n_valid).to(logits.dtype)
-    z_loss = reduce_rows(lse_square_scale * lse * lse, reduction, n_valid).to(logits.dtype)
-    return loss, z_loss, lse, grad
+                           lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=True, lse=lse,
+                           loss=ce_rows, z=z_rows, predicted=predicted if predictions else None, grad=into,
+                           scale=scale, z_scale=z_scale, weight=weight, weight_total=weight_total)
+    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, target_weight_sum).to(logits.dtype)
+    z_loss = reduce_rows(z_rows, reduction, n_valid).to(logits.dtype)
+    accuracy = (token_accuracy(predicted, target, ignore_index, reduction, n_valid) if predictions
+                else _no_rows(logits))
+    return loss, z_loss, lse, grad, accuracy, predicted
+
+
+def fake_predictions(like: Tensor, rows: int, reduction: str, predictions: bool) -> tuple[Tensor, Tensor]:
+    """The fake ``(token_accuracy, predicted)`` outputs of a forward op over ``rows`` rows."""
+    if not predictions:
+        return _no_rows(like), _no_rows(like, torch.int64)
+    accuracy = like.new_empty((rows,) if reduction == "none" else (), dtype=torch.float32)
+    return accuracy, like.new_empty(rows, dtype=torch.int64)
 
 
 @cross_entropy_forward.register_fake
-def _(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
-      gradient_in_forward, overwrite_logits):
+def _(logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+      predictions, gradient_in_forward, overwrite_logits):
     rows, vocab = logits.shape
     loss_shape = (rows,) if reduction == "none" else ()
     keep_grad = gradient_in_forward and not overwrite_logits
     lse = logits.new_empty(rows, dtype=torch.float32)
     grad = logits.new_empty((rows, vocab) if keep_grad else (0,))
-    return logits.new_empty(loss_shape), logits.new_empty(loss_shape), lse, grad
+    return (logits.new_empty(loss_shape), logits.new_empty(loss_shape), lse, grad,
+            *fake_predictions(logits, rows, reduction, predictions))
 
 
 @custom_op("cross_entropy_backward")
 def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
-                           ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                           softcap: float, reduction: str) -> Tensor:
+                           weight: Tensor | None, ignore_index: int, label_smoothing: float,
+                           lse_square_scale: float, softcap: float, reduction: str) -> Tensor:
     """The logits' gradient from the saved logits and ``lse``, scaled by the loss's incoming gradient
-    (and, for a mean, divided by the count of non-ignored targets, on the device)."""
+    (and, for a mean, divided by the count of non-ignored targets or their summed class weights,
+    on the device)."""
     rows, vocab = logits.shape
     grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
     if rows == 0:
         return grad
-    scale = grad_loss.to(torch.float32)
-    if reduction == "mean":
-        scale = scale / count_targets(target, ignore_index)
+    weight_total, target_weight_sum = (class_weight_sums(weight, target, ignore_index) if weight is not None
+                                       else (None, None))
+    g = grad_loss.to(torch.float32)
+    scale, z_scale = gradient_scales(g.reshape(-1) if reduction == "none" else g, reduction,
+                                     count_targets(target, ignore_index), target_weight_sum)
     cross_entropy_rows(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                       lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=False, loss=None,
-                       lse=lse, grad=grad, scale=scale.reshape(-1) if reduction == "none" else scale)
+                       lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=False, lse=lse,
+                       grad=grad, scale=scale, z_scale=z_scale, weight=weight, weight_total=weight_total)
     return grad
 
 
 @cross_entropy_backward.register_fake
-def _(grad_loss, logits, target, lse, ignore_index, label_smoothing, lse_square_scale, softcap, reduction):
+def _(grad_loss, logits, target, lse, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+      reduction):
     return torch.empty_like(logits)
 
 
@@ -483,37 +651,63 @@ class ForwardGradients:
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, lse_square_scale, softcap, reduction = inputs[:7]
-    in_forward, overwrite = inputs[7:]
-    loss, z_loss, lse, grad = output
-    ctx.mark_non_differentiable(z_loss, lse, grad)
+    logits, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction = inputs[:8]
+    in_forward, overwrite = inputs[9:]
+    loss, z_loss, lse, grad, accuracy, predicted = output
+    ctx.mark_non_differentiable(z_loss, lse, grad, accuracy, predicted)
     ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
     ctx.gradient_in_forward = in_forward
     # Eager: the forward-pass gradient is rescaled in place; traced: into a new tensor.
     ctx.eager = not tracing(logits, loss)
     if not in_forward:
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(logits, target, lse, weight)
     elif ctx.eager:
         ctx.grads = ForwardGradients([logits if overwrite else grad], loss)
     else:
         ctx.save_for_backward(grad)
 
 
-def _backward(ctx, grad_loss, _grad_z_loss, _grad_lse, _grad_grad):
+def _backward(ctx, grad_loss, *_):
     if not ctx.gradient_in_forward:
-        logits, target, lse = ctx.saved_tensors
-        grad = cross_entropy_backward(grad_loss, logits, target, lse, *ctx.options)
+        logits, target, lse, weight = ctx.saved_tensors
+        grad = cross_entropy_backward(grad_loss, logits, target, lse, weight, *ctx.options)
     elif ctx.eager:
         grad, = ctx.grads.take(grad_loss)
     else:
         grad = scale_forward_gradient(ctx.saved_tensors[0], grad_loss, None, False)
-    return grad, None, None, None, None, None, None, None, None
+    return (grad,) + (None,) * 10
 
 
 register_autograd(cross_entropy_forward, _backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------------ public
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What the losses return when token accuracy or predicted tokens are asked for: liger-kernel's
+    ``CrossEntropyOutput`` fields, as a named tuple; a field not asked for is None."""
+
+    loss: Tensor
+    z_loss: Tensor | None = None
+    token_accuracy: Tensor | None = None
+    predicted_tokens: Tensor | None = None
+
+
+def loss_outputs(shape, reduction: str, loss: Tensor, z_loss: Tensor, accuracy: Tensor, predicted: Tensor, *,
+                 return_z_loss: bool, return_token_accuracy: bool, return_predicted_tokens: bool):
+    """What the public loss functions return: the loss; ``(loss, z_loss)`` for ``return_z_loss``
+    alone (Onca's API before the metrics); a :class:`CrossEntropyOutput` when the token accuracy or
+    the predicted tokens are asked for. Per-token outputs take the target's ``shape``."""
+    if reduction == "none":
+        loss, z_loss = loss.view(shape), z_loss.view(shape)
+    if not (return_token_accuracy or return_predicted_tokens):
+        return (loss, z_loss) if return_z_loss else loss
+    if return_token_accuracy and reduction == "none":
+        accuracy = accuracy.view(shape)
+    return CrossEntropyOutput(loss, z_loss if return_z_loss else None,
+                              accuracy if return_token_accuracy else None,
+                              predicted.view(shape) if return_predicted_tokens else None)
 
 
 def validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap) -> None:
@@ -532,6 +726,21 @@ def validate_options(ignore_index, label_smoothing, reduction, lse_square_scale,
         check_number(softcap, "softcap")
         if not 0.0 < softcap < float("inf"):
             raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+
+
+def check_class_weight(weight, name: str, vocab: int, ref: Tensor, ref_name: str) -> Tensor | None:
+    """Per-class weights ``(vocab,)`` as the kernel reads them (unit stride), or None."""
+    if weight is None:
+        return None
+    check_float(weight, name)
+    if tuple(weight.shape) != (vocab,):
+        raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), "
+                         f"got {tuple(weight.shape)}")
+    check_same_device(weight, name, ref, ref_name)
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} takes no gradient (as in torch): pass {name}.detach() or a tensor that "
+                         "does not require grad")
+    return weight.contiguous()
 
 
 def check_target(target, name: str, shape: tuple[int, ...], what: str) -> Tensor:
@@ -568,15 +777,27 @@ def cross_entropy(
     softcap: float | None = None,
     return_z_loss: bool = False,
     overwrite_logits: bool = False,
+    *,
+    weight: Tensor | None = None,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
 ):
     """Cross entropy of ``logits`` ``(..., vocab)`` against class indices ``target`` ``(...)``.
 
     As ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``, ``reduction``
-    ``"none"``/``"mean"``/``"sum"``, mean over the non-ignored tokens, NaN when there are none; no
-    class weights), plus the z-loss ``lse_square_scale * logsumexp(logits)**2`` per token and
-    Gemma 2's logit soft-capping ``softcap * tanh(logits / softcap)``. A non-ignored target outside
-    ``[0, vocab)`` makes its token's loss and gradient NaN (never an out-of-bounds read).
+    ``"none"``/``"mean"``/``"sum"``, per-class ``weight`` ``(vocab,)``; the mean divides by the
+    summed weights of the non-ignored targets, their count without weights, and is NaN when
+    there are none), plus the z-loss ``lse_square_scale * logsumexp(logits)**2`` per token (never
+    class-weighted: a mean divides it by the count, as liger-kernel) and Gemma 2's logit
+    soft-capping ``softcap * tanh(logits / softcap)``. A non-ignored target outside ``[0, vocab)``
+    makes its token's loss and gradient NaN (never an out-of-bounds read). The class weights are
+    read in fp32 whatever their float dtype, and take no gradient.
     ``return_z_loss=True`` returns ``(loss, z_loss)`` (the z-loss part, for logging).
+    ``return_token_accuracy`` / ``return_predicted_tokens`` (found in the same pass, no gradient)
+    return a :class:`CrossEntropyOutput` ``(loss, z_loss, token_accuracy, predicted_tokens)``, as
+    liger-kernel: the argmax of each token's (soft-capped) logits, the first on ties, -1 where
+    ignored; the accuracy per token (1/0, 0 where ignored) for ``reduction="none"``, else the
+    fraction of non-ignored tokens predicted right (NaN when there are none).
     ``overwrite_logits=True`` computes the gradient in the forward pass and writes it over the
     logits (no second logits-sized buffer; the logits are destroyed; eager only, compiled graphs
     manage their own buffers). See the module docstring.
@@ -584,13 +805,17 @@ def cross_entropy(
     validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
     check_bool(return_z_loss, "return_z_loss")
     check_bool(overwrite_logits, "overwrite_logits")
+    check_bool(return_token_accuracy, "return_token_accuracy")
+    check_bool(return_predicted_tokens, "return_predicted_tokens")
     x2d, target1d = _validate_inputs(logits, target)
+    weight = check_class_weight(weight, "weight", logits.shape[-1], logits, "logits")
     gradient_in_forward = overwrite_logits and logits.requires_grad and torch.is_grad_enabled()
     overwrite = gradient_in_forward and not tracing(logits, target)
-    loss, z_loss, _, _ = cross_entropy_forward(
-        x2d, target1d, ignore_index, float(label_smoothing), float(lse_square_scale),
-        float(softcap) if softcap is not None else 0.0, reduction, gradient_in_forward, overwrite,
+    loss, z_loss, _, _, accuracy, predicted = cross_entropy_forward(
+        x2d, target1d, weight, ignore_index, float(label_smoothing), float(lse_square_scale),
+        float(softcap) if softcap is not None else 0.0, reduction,
+        return_token_accuracy or return_predicted_tokens, gradient_in_forward, overwrite,
     )
-    if reduction == "none":
-        loss, z_loss = loss.view(logits.shape[:-1]), z_loss.view(logits.shape[:-1])
-    return (loss, z_loss) if return_z_loss else loss
+    return loss_outputs(target.shape, reduction, loss, z_loss, accuracy, predicted,
+                        return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                        return_predicted_tokens=return_predicted_tokens)

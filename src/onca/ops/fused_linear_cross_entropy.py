@@ -6,9 +6,11 @@ never exist. The tokens are processed in chunks; for each chunk
 
 1. its logits are computed by one matmul (cuBLAS: the op is matmul-bound) into a scratch buffer
    ``(chunk, vocab)`` in the input dtype, reused by every chunk;
-2. the cross-entropy kernel of ``onca.ops.cross_entropy`` reads them, writes the loss and the
-   per-token log-sum-exp, and overwrites them with their gradient (already divided by the
-   number of non-ignored tokens, counted on the device, for a mean);
+2. the cross-entropy kernel of ``onca.ops.cross_entropy`` reads them, writes the loss, the
+   per-token log-sum-exp (and, when asked for, the argmax), and overwrites them with their
+   gradient (already divided by the number of non-ignored tokens, or their summed class
+   weights, counted on the device, for a mean; times each token's detached probability of its
+   target under ``use_token_scaling``);
 3. ``dHidden[chunk] = dLogits @ W`` and ``dW += dLogits.T @ hidden[chunk]`` (and
    ``dB += dLogits.sum(0)``, in fp32) by matmuls,
 
@@ -19,6 +21,7 @@ in place and are masked in the cross-entropy kernel (zero loss, zero gradient ro
 hidden-state gradient), never gathered: no data-dependent shape, no host synchronisation. A
 non-ignored target outside ``[0, vocab)`` gives NaN (see ``onca.ops.cross_entropy``).
 ``reduction="mean"`` with every token ignored (or none at all) is NaN with zero gradients, as torch.
+The token accuracy and predicted tokens come from that same pass: no logits beyond the chunk.
 
 ``reduction="none"``: the per-token incoming gradient must weight each token's logits gradient
 before it is summed into ``dW``, and it is unknown in the forward pass. The forward pass then
@@ -58,11 +61,18 @@ from onca.ops._validate import check_bool, check_float, check_same_device, check
 from onca.ops.cross_entropy import (
     TILES as CE_TILES,
     ForwardGradients,
+    check_class_weight,
     check_target,
+    class_weight_sums,
     count_targets,
     cross_entropy_rows,
+    fake_predictions,
+    gradient_scales,
+    loss_outputs,
+    reduce_loss,
     reduce_rows,
     scale_forward_gradient,
+    token_accuracy,
     validate_options,
 )
 from onca.tiling import ChunkPlan, plan_rows, plan_token_chunks
@@ -132,12 +142,18 @@ def _accumulate_dw(dw: Tensor, dlogits: Tensor, h: Tensor, first: bool) -> None:
 
 
 def _chunk_loop(h2d, weight, bias, target, chunks: ChunkPlan, options: dict, *, compute_lse: bool,
-                loss, lse, write_grad: bool, scale=None, dx=None, dw=None, db=None) -> None:
+                lse, write_grad: bool, loss=None, z=None, predicted=None, scale=None, z_scale=None,
+                dx=None, dw=None, db=None) -> None:
     """Run the chunks of consecutive tokens: logits by matmul, the cross-entropy kernel (ignored
-    tokens masked there), then the gradient matmuls. ``scale``: 0-d, or one per token."""
+    tokens masked there), then the gradient matmuls. ``scale``, ``z_scale``: 0-d, or one per
+    token (see :func:`onca.ops.cross_entropy.cross_entropy_rows`)."""
     vocab = weight.shape[0]
     scratch = torch.empty((chunks.chunk, vocab), dtype=h2d.dtype, device=h2d.device)
-    per_token_scale = scale is not None and scale.dim() == 1
+
+    def rows_of(per_token, start, end):
+        """A per-token tensor's slice for the chunk; 0-d scales and absent outputs as they are."""
+        return per_token[start:end] if per_token is not None and per_token.dim() == 1 else per_token
+
     for index in range(chunks.n_chunks):
         start, end = chunks.bounds(index)
         h = h2d[start:end]
@@ -147,10 +163,10 @@ def _chunk_loop(h2d, weight, bias, target, chunks: ChunkPlan, options: dict, *, 
         else:
             torch.addmm(bias, h, weight.t(), out=logits)
         cross_entropy_rows(
-            logits, target[start:end], **options, compute_lse=compute_lse,
-            loss=loss[start:end] if compute_lse else None, lse=lse[start:end],
-            grad=logits if write_grad else None,
-            scale=scale[start:end] if per_token_scale else scale,
+            logits, target[start:end], **options, compute_lse=compute_lse, lse=lse[start:end],
+            loss=rows_of(loss, start, end), z=rows_of(z, start, end),
+            predicted=rows_of(predicted, start, end), grad=logits if write_grad else None,
+            scale=rows_of(scale, start, end), z_scale=rows_of(z_scale, start, end),
         )
         if not write_grad:
             continue
@@ -194,31 +210,41 @@ def _as_outputs(h2d, weight, bias, dx, dw, db) -> tuple[Tensor, Tensor, Tensor]:
 
 @custom_op("fused_linear_cross_entropy_forward")
 def fused_linear_cross_entropy_forward(
-    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-    label_smoothing: float, lse_square_scale: float, softcap: float, reduction: str, accum_fp32: bool,
-    chunk_tokens: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, z_loss, lse, dhidden, dweight, dbias)`` for the 2-D ``hidden``: the fp32 losses
-    reduced, the fp32 per-token log-sum-exp and, unless ``reduction="none"``, the gradients asked
-    for (``grad_*``) for a unit incoming gradient (empty tensors otherwise). ``chunk_tokens`` 0:
-    planned from the free memory."""
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ce_weight: Tensor | None,
+    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float, token_scaling: bool,
+    reduction: str, accum_fp32: bool, chunk_tokens: int, predictions: bool, grad_hidden: bool,
+    grad_weight: bool, grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z_loss, lse, dhidden, dweight, dbias, token_accuracy, predicted)`` for the 2-D
+    ``hidden``: the fp32 losses reduced, the fp32 per-token log-sum-exp and, unless
+    ``reduction="none"``, the gradients asked for (``grad_*``) for a unit incoming gradient (empty
+    tensors otherwise); with ``predictions`` the argmax per token (int64, -1 where ignored) and the
+    token accuracy reduced like the loss. ``chunk_tokens`` 0: planned from the free memory."""
     tokens = hidden.shape[0]
     in_forward = reduction != "none"
     needs = (grad_hidden and in_forward, grad_weight and in_forward, grad_bias and in_forward)
     write_grad = any(needs)
     dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32) if write_grad else (None,) * 3
-    loss_rows = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    ce_rows, z_rows, lse = (torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(3))
+    predicted = torch.empty(tokens if predictions else 0, dtype=torch.int64, device=hidden.device)
     n_valid = count_targets(target, ignore_index)
+    weight_total, target_weight_sum = (class_weight_sums(ce_weight, target, ignore_index)
+                                       if ce_weight is not None else (None, None))
     if tokens:
-        mean_scale = reduction == "mean" and write_grad
-        scale = torch.reciprocal(n_valid.to(torch.float32)) if mean_scale else None
-        _chunk_loop(hidden, weight, bias, target, _plan_for(hidden, weight.shape[0], dw, chunk_tokens),
-                    _options(ignore_index, label_smoothing, lse_square_scale, softcap), compute_lse=True,
-                    loss=loss_rows, lse=lse, write_grad=write_grad, scale=scale, dx=dx, dw=dw, db=db)
-    loss = reduce_rows(loss_rows, reduction, n_valid)
-    z_loss = reduce_rows(lse_square_scale * lse * lse, reduction, n_valid)
-    return (loss, z_loss, lse) + _as_outputs(hidden, weight, bias, dx, dw, db)
+        scale, z_scale = (gradient_scales(None, reduction, n_valid, target_weight_sum) if write_grad
+                          else (None, None))
+        options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
+                           token_scaling)
+        chunks = _plan_for(hidden, weight.shape[0], dw, chunk_tokens)
+        _chunk_loop(hidden, weight, bias, target, chunks, options, compute_lse=True, lse=lse,
+                    write_grad=write_grad, loss=ce_rows, z=z_rows,
+                    predicted=predicted if predictions else None, scale=scale, z_scale=z_scale,
+                    dx=dx, dw=dw, db=db)
+    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, target_weight_sum)
+    z_loss = reduce_rows(z_rows, reduction, n_valid)
+    accuracy = (token_accuracy(predicted, target, ignore_index, reduction, n_valid) if predictions
+                else hidden.new_empty(0, dtype=torch.float32))
+    return (loss, z_loss, lse) + _as_outputs(hidden, weight, bias, dx, dw, db) + (accuracy, predicted)
 
 
 def _fake_gradients(hidden, weight, bias, needs):
@@ -229,62 +255,71 @@ def _fake_gradients(hidden, weight, bias, needs):
 
 
 @fused_linear_cross_entropy_forward.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
-      accum_fp32, chunk_tokens, grad_hidden, grad_weight, grad_bias):
+def _(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+      token_scaling, reduction, accum_fp32, chunk_tokens, predictions, grad_hidden, grad_weight, grad_bias):
     tokens = hidden.shape[0]
     in_forward = reduction != "none"
     loss_shape = () if in_forward else (tokens,)
     shapes = (loss_shape, loss_shape, (tokens,))
     losses = tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in shapes)
     needs = (grad_hidden and in_forward, grad_weight and in_forward, grad_bias and in_forward)
-    return losses + _fake_gradients(hidden, weight, bias, needs)
+    return (losses + _fake_gradients(hidden, weight, bias, needs)
+            + fake_predictions(hidden, tokens, reduction, predictions))
 
 
 @custom_op("fused_linear_cross_entropy_backward")
 def fused_linear_cross_entropy_backward(
     grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, lse: Tensor,
-    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float, accum_fp32: bool,
-    chunk_tokens: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+    ce_weight: Tensor | None, ignore_index: int, label_smoothing: float, lse_square_scale: float,
+    softcap: float, token_scaling: bool, accum_fp32: bool, chunk_tokens: int, grad_hidden: bool,
+    grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``reduction="none"``: recompute each chunk's logits and write their gradient scaled by the
     per-token incoming gradient; ``(dhidden, dweight, dbias)``, empty where not asked for."""
     needs = (grad_hidden, grad_weight, grad_bias)
     dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32)
     if hidden.shape[0]:
-        _chunk_loop(hidden, weight, bias, target, _plan_for(hidden, weight.shape[0], dw, chunk_tokens),
-                    _options(ignore_index, label_smoothing, lse_square_scale, softcap), compute_lse=False,
-                    loss=None, lse=lse, write_grad=True, scale=grad_loss.reshape(-1).to(torch.float32),
-                    dx=dx, dw=dw, db=db)
+        weight_total = ce_weight.to(torch.float32).sum() if ce_weight is not None else None
+        options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
+                           token_scaling)
+        chunks = _plan_for(hidden, weight.shape[0], dw, chunk_tokens)
+        _chunk_loop(hidden, weight, bias, target, chunks, options, compute_lse=False, lse=lse,
+                    write_grad=True, scale=grad_loss.reshape(-1).to(torch.float32), dx=dx, dw=dw, db=db)
     return _as_outputs(hidden, weight, bias, dx, dw, db)
 
 
 @fused_linear_cross_entropy_backward.register_fake
-def _(grad_loss, hidden, weight, target, bias, lse, ignore_index, label_smoothing, lse_square_scale, softcap,
-      accum_fp32, chunk_tokens, grad_hidden, grad_weight, grad_bias):
+def _(grad_loss, hidden, weight, target, bias, lse, ce_weight, ignore_index, label_smoothing,
+      lse_square_scale, softcap, token_scaling, accum_fp32, chunk_tokens, grad_hidden, grad_weight,
+      grad_bias):
     return _fake_gradients(hidden, weight, bias, (grad_hidden, grad_weight, grad_bias))
 
 
-def _options(ignore_index, label_smoothing, lse_square_scale, softcap) -> dict:
-    return dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                lse_square_scale=lse_square_scale, softcap=softcap)
+def _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
+             token_scaling) -> dict:
+    """The cross-entropy kernel's options, the same for every chunk."""
+    return {"ignore_index": ignore_index, "label_smoothing": label_smoothing,
+            "lse_square_scale": lse_square_scale, "softcap": softcap, "weight": ce_weight,
+            "weight_total": weight_total, "token_scaling": token_scaling}
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, *options = inputs
-    ignore_index, label_smoothing, lse_square_scale, softcap, reduction, accum_fp32, chunk_tokens = (
-        options[:7])
-    ctx.needs = tuple(options[7:])
-    loss, z_loss, lse, dx, dw, db = output
-    ctx.mark_non_differentiable(z_loss, lse, dx, dw, db)
+    hidden, weight, target, bias, ce_weight, *options = inputs
+    ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, reduction = options[:6]
+    accum_fp32, chunk_tokens = options[6:8]
+    ctx.needs = tuple(options[9:])
+    loss, z_loss, lse, dx, dw, db, accuracy, predicted = output
+    ctx.mark_non_differentiable(z_loss, lse, dx, dw, db, accuracy, predicted)
     ctx.deferred = reduction == "none"
     # Eager: the forward-pass gradients are rescaled in place; traced: into new tensors.
     ctx.eager = not tracing(hidden, loss)
     if ctx.deferred:
-        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, accum_fp32, chunk_tokens)
-        ctx.save_for_backward(hidden, weight, target, bias, lse)
+        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, accum_fp32,
+                       chunk_tokens)
+        ctx.save_for_backward(hidden, weight, target, bias, lse, ce_weight)
     elif ctx.eager:
         needed = [t if need else None for t, need in zip((dx, dw, db), ctx.needs)]
         ctx.grads = ForwardGradients(needed, loss)
@@ -294,8 +329,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, *_):
     if ctx.deferred:
-        hidden, weight, target, bias, lse = ctx.saved_tensors
-        grads = fused_linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, lse,
+        hidden, weight, target, bias, lse, ce_weight = ctx.saved_tensors
+        grads = fused_linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, lse, ce_weight,
                                                     *ctx.options, *ctx.needs)
     elif ctx.eager:
         grads = ctx.grads.take(grad_loss)
@@ -303,7 +338,7 @@ def _backward(ctx, grad_loss, *_):
         grads = [scale_forward_gradient(t, grad_loss, None, False) if need else None
                  for t, need in zip(ctx.saved_tensors, ctx.needs)]
     dx, dw, db = (g if need else None for g, need in zip(grads, ctx.needs))
-    return (dx, dw, None, db) + (None,) * 10
+    return (dx, dw, None, db) + (None,) * 13
 
 
 register_autograd(fused_linear_cross_entropy_forward, _backward, setup_context=_setup_context)
@@ -347,18 +382,21 @@ def _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens) -> tuple[
 
 
 def _fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction,
-                                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens):
+                                lse_square_scale, softcap, return_z_loss, accum_dtype, chunk_tokens, *,
+                                ce_weight, use_token_scaling, return_token_accuracy, return_predicted_tokens):
     h2d, target1d = _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens)
+    ce_weight = check_class_weight(ce_weight, "ce_weight", weight.shape[0], hidden, "hidden")
     grad_enabled = torch.is_grad_enabled()
-    loss, z_loss, *_ = fused_linear_cross_entropy_forward(
-        h2d, weight, target1d, bias, ignore_index, float(label_smoothing), float(lse_square_scale),
-        float(softcap) if softcap is not None else 0.0, reduction, accum_dtype == torch.float32,
-        chunk_tokens or 0, grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad,
+    loss, z_loss, _, _, _, _, accuracy, predicted = fused_linear_cross_entropy_forward(
+        h2d, weight, target1d, bias, ce_weight, ignore_index, float(label_smoothing), float(lse_square_scale),
+        float(softcap) if softcap is not None else 0.0, use_token_scaling, reduction,
+        accum_dtype == torch.float32, chunk_tokens or 0, return_token_accuracy or return_predicted_tokens,
+        grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    if reduction == "none":
-        loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
-    return (loss, z_loss) if return_z_loss else loss
+    return loss_outputs(target.shape, reduction, loss, z_loss, accuracy, predicted,
+                        return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                        return_predicted_tokens=return_predicted_tokens)
 
 
 def fused_linear_cross_entropy(
@@ -374,29 +412,45 @@ def fused_linear_cross_entropy(
     return_z_loss: bool = False,
     accum_dtype: torch.dtype | None = None,
     chunk_tokens: int | None = None,
+    *,
+    ce_weight: Tensor | None = None,
+    use_token_scaling: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
 ):
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the logits.
 
     ``hidden`` ``(..., H)`` (e.g. a causal LM's final hidden states ``(B, S, H)``), ``weight``
     ``(V, H)`` (the LM head, possibly tied to the embedding), ``target`` ``(...)`` class indices.
-    The options are :func:`onca.ops.cross_entropy.cross_entropy`'s; ``accum_dtype=torch.float32``
+    The options are :func:`onca.ops.cross_entropy.cross_entropy`'s, the per-class weights being
+    ``ce_weight`` ``(V,)`` (liger-kernel's name: ``weight`` is the head), and the token accuracy and
+    predicted tokens come from the same pass over each chunk's logits; ``accum_dtype=torch.float32``
     accumulates the weight gradient in fp32 for bf16/fp16 weights; ``chunk_tokens`` overrides the
-    planned tokens per chunk. Under ``torch.autocast`` the head's inputs are cast to the autocast
-    dtype first, as ``F.linear`` would. The loss is fp32. With ``reduction="sum"`` divide by
-    ``num_items_in_batch`` yourself (Hugging Face's gradient accumulation); ``reduction="none"``
-    returns per-token losses (its backward recomputes the logits chunk by chunk). See the module
-    docstring.
+    planned tokens per chunk. ``use_token_scaling=True`` multiplies each token's loss (z-loss
+    included) by its predicted probability of the target, ``softmax(logits)[target]``, taken as a
+    constant (no gradient through it), as liger-kernel; a mean still divides by the count (or the
+    summed class weights). Under ``torch.autocast`` the head's inputs are cast to the autocast
+    dtype first, as ``F.linear`` would (``ce_weight`` is not). The loss is fp32. With
+    ``reduction="sum"`` divide by ``num_items_in_batch`` yourself (Hugging Face's gradient
+    accumulation); ``reduction="none"`` returns per-token losses (its backward recomputes the
+    logits chunk by chunk). See the module docstring.
     """
     validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
     check_bool(return_z_loss, "return_z_loss")
+    check_bool(use_token_scaling, "use_token_scaling")
+    check_bool(return_token_accuracy, "return_token_accuracy")
+    check_bool(return_predicted_tokens, "return_predicted_tokens")
     check_tensor(hidden, "hidden")
     args = (ignore_index, label_smoothing, reduction, lse_square_scale, softcap, return_z_loss, accum_dtype,
             chunk_tokens)
+    extras = {"ce_weight": ce_weight, "use_token_scaling": use_token_scaling,
+              "return_token_accuracy": return_token_accuracy,
+              "return_predicted_tokens": return_predicted_tokens}
     device_type = hidden.device.type
     # A device type without autocast (``meta``, as in ``onca audit``) has nothing to cast.
     if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
-        return _fused_linear_cross_entropy(hidden, weight, target, bias, *args)
+        return _fused_linear_cross_entropy(hidden, weight, target, bias, *args, **extras)
     dtype = torch.get_autocast_dtype(device_type)
     cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
     with torch.autocast(device_type, enabled=False):
-        return _fused_linear_cross_entropy(cast(hidden), cast(weight), target, cast(bias), *args)
+        return _fused_linear_cross_entropy(cast(hidden), cast(weight), target, cast(bias), *args, **extras)

@@ -4,7 +4,10 @@ Reference: Hugging Face's ``ForCausalLMLoss`` arithmetic, ``F.cross_entropy(logi
 the logits are upcast to fp32 first, as every HF causal LM does (timed eager as ``torch`` and
 compiled as ``torch_compile``). Onca and liger-kernel both compute the gradient in the forward
 pass and write it over the logits (``overwrite_logits=True``; liger's only mode), so neither
-allocates a second logits-sized buffer. No target is ignored; reduction is the mean.
+allocates a second logits-sized buffer. No target is ignored; reduction is the mean. The
+``options`` sweep times the options liger-kernel's users pass, each provider computing the same
+outputs: per-class weights (``class_weights``), the token accuracy and predicted tokens
+(``token_metrics``; the reference takes the argmax of the logits).
 """
 
 from __future__ import annotations
@@ -16,35 +19,56 @@ from onca.bench.spec import OpBenchmark, d1, d2, itemsize
 
 TOKENS = 8192
 VOCAB = 128256
+# The option sets of the ``options`` sweep ("plain": none).
+OPTION_SETS = ("plain", "class_weights", "token_metrics")
 
 
 def make_inputs(p, dtype, device):
     logits = torch.randn(p["tokens"], p["vocab"], dtype=torch.float32, device=device).mul_(2.0)
     logits = logits.to(dtype).requires_grad_(True)
     target = torch.randint(0, p["vocab"], (p["tokens"],), device=device)
-    return {"logits": logits, "target": target}
+    inputs = {"logits": logits, "target": target}
+    if p.get("options") == "class_weights":
+        inputs["class_weight"] = torch.rand(p["vocab"], device=device) + 0.5
+    return inputs
+
+
+def _metrics(p) -> bool:
+    return p.get("options") == "token_metrics"
 
 
 def onca(p, inputs):
     from onca.ops.cross_entropy import cross_entropy
 
-    return lambda: cross_entropy(inputs["logits"], inputs["target"], overwrite_logits=True)
+    metrics = _metrics(p)
+    return lambda: cross_entropy(inputs["logits"], inputs["target"], overwrite_logits=True,
+                                 weight=inputs.get("class_weight"), return_token_accuracy=metrics,
+                                 return_predicted_tokens=metrics)
 
 
 def reference(p, inputs):
-    def hf_causal_lm_loss(logits, target):  # transformers.loss.loss_utils.ForCausalLMLoss
-        return F.cross_entropy(logits.float(), target, ignore_index=-100)
+    def hf_causal_lm_loss(logits, target, weight):  # transformers.loss.loss_utils.ForCausalLMLoss
+        return F.cross_entropy(logits.float(), target, weight=weight, ignore_index=-100)
 
-    return lambda: hf_causal_lm_loss(inputs["logits"], inputs["target"])
+    def with_metrics(logits, target):
+        predicted = logits.detach().argmax(dim=-1)
+        return hf_causal_lm_loss(logits, target, None), (predicted == target).float().mean(), predicted
+
+    if _metrics(p):
+        return lambda: with_metrics(inputs["logits"], inputs["target"])
+    return lambda: hf_causal_lm_loss(inputs["logits"], inputs["target"], inputs.get("class_weight"))
 
 
 def liger(p, inputs):
     from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
 
     # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-    #  return_z_loss): returns (loss, z_loss, token_accuracy, predicted_tokens).
-    return lambda: LigerCrossEntropyFunction.apply(inputs["logits"], inputs["target"], None, -100, 0.0, 0.0,
-                                                   "mean", None, False)
+    #  return_z_loss, return_token_accuracy, return_predicted_tokens): returns (loss, z_loss,
+    #  token_accuracy, predicted_tokens).
+    metrics = _metrics(p)
+    return lambda: LigerCrossEntropyFunction.apply(inputs["logits"], inputs["target"],
+                                                   inputs.get("class_weight"), -100, 0.0, 0.0, "mean", None,
+                                                   False, metrics, metrics)
 
 
 def bytes_moved(p, dtype, mode):
@@ -82,6 +106,7 @@ BENCHMARK = OpBenchmark(
         d1("tokens", [2048, 8192, 16384, 32768], {"vocab": VOCAB}, "tokens (vocab 128256)"),
         d1("vocab", [32000, 128256, 151936, 262144], {"tokens": TOKENS},
            "vocabulary (8192 tokens)"),
+        d1("options", OPTION_SETS, {"tokens": TOKENS, "vocab": VOCAB}, "options (8192 tokens, vocab 128256)"),
         d2(lambda m: {"tokens": TOKENS, "vocab": m.vocab_size}),
     ),
     bytes_moved=bytes_moved,
