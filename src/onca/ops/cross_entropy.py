@@ -584,12 +584,12 @@ def _(grad_loss, logits, target, lse, weight, ignore_index, label_smoothing, lse
 
 @custom_op("scale_forward_gradient")
 def scale_forward_gradient(grad: Tensor, grad_output: Tensor, applied: Tensor | None,
-                           in_place: bool) -> Tensor:
+                           overwrite_grad: bool) -> Tensor:
     """A gradient the forward pass computed for a unit incoming gradient, times the loss's incoming
     gradient ``grad_output`` (0-d, or one per row of ``grad``), divided by ``applied`` (the incoming
-    gradient already folded in by an earlier backward; None: 1). ``in_place`` (eager route only)
+    gradient already folded in by an earlier backward; None: 1). ``overwrite_grad`` (eager route only)
     rescales ``grad`` itself and skips the rows whose factor is 1."""
-    out = grad if in_place else torch.empty_like(grad)
+    out = grad if overwrite_grad else torch.empty_like(grad)
     if grad.numel() == 0:
         return out
     x2d = grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1)
@@ -600,14 +600,14 @@ def scale_forward_gradient(grad: Tensor, grad_output: Tensor, applied: Tensor | 
     _rescale_kernel[(p.grid,)](
         x2d, o2d, g, applied if applied is not None else g,
         rows, cols, x2d.stride(0), o2d.stride(0), 0 if grad_output.dim() == 0 else 1,
-        HAS_APPLIED=applied is not None, SKIP_UNCHANGED=in_place,
+        HAS_APPLIED=applied is not None, SKIP_UNCHANGED=overwrite_grad,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
     return out
 
 
 @scale_forward_gradient.register_fake
-def _(grad, grad_output, applied, in_place):
+def _(grad, grad_output, applied, overwrite_grad):
     return torch.empty_like(grad)
 
 
