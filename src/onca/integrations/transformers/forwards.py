@@ -6,11 +6,14 @@ gradient checkpointing are untouched) and computes the same function through Onc
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from onca import functional as OF
-from onca.integrations.transformers.families import NORM_ARITHMETIC, Family
+from onca.integrations.transformers.families import Family
 from onca.nn.mlp import GELU_ACTIVATIONS, gated_mlp_tail
 
 IGNORE_INDEX = -100
@@ -19,17 +22,88 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------------------------------- norms
 
 
-def make_rms_norm_forward(family: Family):
-    casting, offset = NORM_ARITHMETIC[family.norm]
+class LlamaRMSNormLayer(nn.Module):
+    """Llama's RMSNorm (normalise in fp32, cast to the input's dtype, then scale by ``weight``).
+
+    This and the other ``*Layer`` classes are stateless layers in the sense of the ``kernels``
+    package (no ``__init__``, no members but ``forward`` and its two flags): ``onca.apply`` sets
+    their ``forward`` on a module, and ``onca.integrations.kernels`` hands the class to
+    ``kernelize``, so both routes run the same code. They read the module's ``weight`` and its
+    ``variance_epsilon`` (or ``eps``)."""
+
+    can_torch_compile = True
+    has_backward = True
 
     def forward(self, hidden_states):
-        eps = getattr(self, "variance_epsilon", None)
-        if eps is None:
-            eps = self.eps
-        return OF.rms_norm(hidden_states, self.weight, eps, offset, casting)
+        return OF.rms_norm(hidden_states, self.weight, _norm_eps(self), 0.0, "llama")
 
-    forward.__onca__ = "rms_norm"
-    return forward
+
+class Olmo2RMSNormLayer(nn.Module):
+    """OLMo-2's RMSNorm: scaled by ``weight`` in fp32, then cast to the input's dtype."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        return OF.rms_norm(hidden_states, self.weight, _norm_eps(self), 0.0, "gemma")
+
+
+class ZeroCenteredRMSNormLayer(nn.Module):
+    """Gemma's (and Qwen3.5's) zero-centred RMSNorm: scaled by ``1 + weight`` in fp32, then cast."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        return OF.rms_norm(hidden_states, self.weight, _norm_eps(self), 1.0, "gemma")
+
+
+class RMSNormLayer(nn.Module):
+    """Any RMSNorm transformers marks ``"RMSNorm"`` or ``"RMSNormZeroCentered"``: one layer name
+    covers several arithmetics, so the arithmetic is read from the module class's own ``forward``
+    (once per class); a class whose arithmetic Onca does not recognise keeps its own forward."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        layer = RMS_NORM_LAYERS.get(rms_norm_arithmetic(type(self)))
+        if layer is None:
+            return type(self).forward(self, hidden_states)
+        return layer.forward(self, hidden_states)
+
+
+RMS_NORM_LAYERS = {"llama": LlamaRMSNormLayer, "olmo2": Olmo2RMSNormLayer, "gemma": ZeroCenteredRMSNormLayer}
+for _layer in (*RMS_NORM_LAYERS.values(), RMSNormLayer):
+    _layer.forward.__onca__ = "rms_norm"
+
+# How a transformers RMSNorm's forward source applies its weight -> the matching Onca arithmetic.
+_RMS_NORM_SCALINGS = (
+    ("return self.weight * hidden_states.to(input_dtype)", "llama"),
+    ("return (self.weight * hidden_states).to(input_dtype)", "olmo2"),
+    ("return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)", "olmo2"),
+    ("output = output * (1.0 + self.weight.float())", "gemma"),
+)
+
+
+@torch.compiler.assume_constant_result
+def rms_norm_arithmetic(cls) -> str:
+    """``"llama"``, ``"olmo2"`` or ``"gemma"``: which arithmetic ``cls``'s forward uses, or ``""``
+    if it is none of them. Read once per class (Dynamo takes the result as a constant)."""
+    if cls not in _RMS_NORM_ARITHMETIC:
+        source = " ".join(inspect.getsource(cls).split())
+        known = "pow(2).mean(-1, keepdim=True)" in source and "torch.rsqrt(" in source
+        _RMS_NORM_ARITHMETIC[cls] = next((name for line, name in _RMS_NORM_SCALINGS
+                                          if known and line in source), "")
+    return _RMS_NORM_ARITHMETIC[cls]
+
+
+_RMS_NORM_ARITHMETIC: dict[type, str] = {}
+
+
+def _norm_eps(module) -> float:
+    eps = getattr(module, "variance_epsilon", None)
+    return module.eps if eps is None else eps
 
 
 def layer_norm_forward(self, input):
@@ -44,26 +118,46 @@ layer_norm_forward.__onca__ = "layer_norm"
 # ----------------------------------------------------------------------------------------- MLPs
 
 
-def swiglu_mlp_forward(self, x):
-    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu", overwrite_inputs=True)
+class SwiGLUMLPLayer(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (Llama, Qwen, Mistral): the kernels
+    package's ``SwiGLUMLP``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x):
+        return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu",
+                              overwrite_inputs=True)
 
 
-def phi3_mlp_forward(self, hidden_states):
-    # gate_up_proj holds [gate; up]; the kernels read its halves in place, no copy.
-    return gated_mlp_tail(self.gate_up_proj(hidden_states), None, self.down_proj, "silu",
-                          overwrite_inputs=True)
+class Phi3MLPLayer(nn.Module):
+    """Phi-3's MLP: ``gate_up_proj`` holds ``[gate; up]``; the kernels read its halves in place."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        return gated_mlp_tail(self.gate_up_proj(hidden_states), None, self.down_proj, "silu",
+                              overwrite_inputs=True)
 
 
-def geglu_mlp_forward(self, x):
-    act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", None)
-    activation = GELU_ACTIVATIONS.get(act, "gelu_tanh")
-    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation,
-                          overwrite_inputs=True)
+class GeGLUMLPLayer(nn.Module):
+    """``down_proj(gelu(gate_proj(x)) * up_proj(x))`` with the GELU form of ``config``'s
+    activation (Gemma): the kernels package's ``GeGLUMLP``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x):
+        act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", None)
+        activation = GELU_ACTIVATIONS.get(act, "gelu_tanh")
+        return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation,
+                              overwrite_inputs=True)
 
 
-MLP_FORWARDS = {"swiglu": swiglu_mlp_forward, "phi3": phi3_mlp_forward, "geglu": geglu_mlp_forward}
-for _fn in MLP_FORWARDS.values():
-    _fn.__onca__ = "mlp"
+MLP_LAYERS = {"swiglu": SwiGLUMLPLayer, "phi3": Phi3MLPLayer, "geglu": GeGLUMLPLayer}
+for _layer in MLP_LAYERS.values():
+    _layer.forward.__onca__ = "mlp"
 
 
 def experts_apply_gate(self, gate_up):
@@ -127,6 +221,42 @@ rotary_pos_emb.__onca__ = rotary_pos_emb_cast_back.__onca__ = "rope"
 
 def rope_for(family: Family):
     return rotary_pos_emb_cast_back if family.rope_casts_back else rotary_pos_emb
+
+
+class RotaryPosEmbLayer(nn.Module):
+    """transformers' ``apply_rotary_pos_emb`` as the kernels package wraps it (a module per
+    function, marked ``"rotary_pos_emb"``). Its variants share the layer name: the one that
+    returns the promoted dtype and the ones that cast back to ``q``'s dtype run Onca's kernel; any
+    other (GPT-OSS's half-width ``cos``/``sin``) keeps the original function."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        rope = _ROPE_VARIANTS.get(rope_variant(type(self)))
+        if rope is None:
+            return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
+        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+RotaryPosEmbLayer.forward.__onca__ = "rope"
+_ROPE_VARIANTS = {"promoted": rotary_pos_emb, "cast_back": rotary_pos_emb_cast_back}
+_ROTATE_HALF = "q_embed = q * cos + rotate_half(q) * sin"
+_ROPE_VARIANT: dict[type, str] = {}
+
+
+@torch.compiler.assume_constant_result
+def rope_variant(func_module_class) -> str:
+    """``"promoted"``, ``"cast_back"`` or ``""`` (not Onca's): the variant of the function that
+    the kernels package wrapped in ``func_module_class``, read once from its source."""
+    if func_module_class not in _ROPE_VARIANT:
+        func = inspect.getclosurevars(func_module_class.forward).nonlocals.get("func")
+        source = " ".join(inspect.getsource(func).split()) if inspect.isfunction(func) else ""
+        variant = ""
+        if _ROTATE_HALF in source or _ROTATE_HALF.replace("q", "q.float()") in source:
+            variant = "cast_back" if "q_embed.to(" in source else "promoted"
+        _ROPE_VARIANT[func_module_class] = variant
+    return _ROPE_VARIANT[func_module_class]
 
 
 # ------------------------------------------------------------------------------ causal-LM loss

@@ -62,7 +62,7 @@ def apply(model, **kernels) -> torch.nn.Module:
     family = family_of(_model_type(model))
     modeling = family.modeling()
     counts = {name: 0 for name in KERNELS}
-    rms_forward = forwards.make_rms_norm_forward(family)
+    rms_forward = forwards.RMS_NORM_LAYERS[family.norm].forward
     for module in model.modules():
         name = type(module).__name__
         if use["rms_norm"] and name == family.norm_class:
@@ -72,7 +72,7 @@ def apply(model, **kernels) -> torch.nn.Module:
             _patch_instance(module, forwards.layer_norm_forward)
             counts["layer_norm"] += 1
         elif use["mlp"] and name == family.mlp_class:
-            _patch_instance(module, forwards.MLP_FORWARDS[family.mlp])
+            _patch_instance(module, forwards.MLP_LAYERS[family.mlp].forward)
             counts["mlp"] += 1
         elif use["mlp"] and family.experts and name == family.experts_class:
             _patch_instance(module, forwards.make_experts_forward(_forward_of(module)))
@@ -128,7 +128,7 @@ def apply_to(model_type: str, **kernels) -> Family:
     modeling = family.modeling()
     targets = []
     if use["rms_norm"]:
-        targets.append((family.norm_class, forwards.make_rms_norm_forward(family)))
+        targets.append((family.norm_class, forwards.RMS_NORM_LAYERS[family.norm].forward))
     if use["mlp"] and family.experts:
         experts = _class_of(modeling, family.experts_class)
         targets.append((family.experts_class, forwards.make_experts_forward(_ORIGINALS.get(
@@ -136,9 +136,9 @@ def apply_to(model_type: str, **kernels) -> Family:
         if hasattr(experts, "_apply_gate"):
             _patch_global(experts, "_apply_gate", forwards.experts_apply_gate)
         if hasattr(modeling, family.mlp_class):
-            targets.append((family.mlp_class, forwards.MLP_FORWARDS[family.mlp]))
+            targets.append((family.mlp_class, forwards.MLP_LAYERS[family.mlp].forward))
     elif use["mlp"]:
-        targets.append((family.mlp_class, forwards.MLP_FORWARDS[family.mlp]))
+        targets.append((family.mlp_class, forwards.MLP_LAYERS[family.mlp].forward))
     for class_name, forward in targets:
         _patch_global(_class_of(modeling, class_name), "forward", forward)
     if use["fused_linear_cross_entropy"]:
