@@ -28,7 +28,8 @@ from torch import nn
 
 from onca.integrations.transformers import forwards
 
-__all__ = ["DEVICES", "LAYERS", "OncaRepository", "mapping", "mark_transformers_layers", "register"]
+__all__ = ["DEVICES", "LAYERS", "OncaRepository", "mapping", "mark_transformers_layers", "register",
+           "unmark_transformers_layers"]
 
 # The kernels package's layer names Onca serves, and the Onca layer for each.
 LAYERS: dict[str, type[nn.Module]] = {
@@ -98,6 +99,12 @@ _MARKED = re.compile(r'@use_kernel_(?:forward|func)_from_hub\("(\w+)"\)\s+(?:@[^
 _FUNC_USERS = re.compile(r"@use_kernelized_func\(([\w, ]+)\)\s+(?:@[^\n]*\s+)*class\s+(\w+)")
 
 
+# What `mark_transformers_layers` changed, for `unmark_transformers_layers`: the classes it marked,
+# and (modelling module, function name) -> the function it replaced.
+_MARKED_CLASSES: list[type] = []
+_REPLACED_FUNCS: dict[tuple[object, str], object] = {}
+
+
 @functools.cache
 def _markers(module_name: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """The marked classes and functions of a modelling module (name -> layer name), and the
@@ -130,14 +137,29 @@ def mark_transformers_layers(model: nn.Module) -> int:
         marked, users = _markers(cls.__module__)
         if cls.__name__ in marked and not hasattr(cls, "kernel_layer_name"):
             replace_kernel_forward_from_hub(cls, marked[cls.__name__])
+            _MARKED_CLASSES.append(cls)
             count += 1
         modeling = sys.modules[cls.__module__]
         for func_name in users.get(cls.__name__, ()):
             func = getattr(modeling, func_name, None)
             if inspect.isfunction(func) and func_name in marked:
+                _REPLACED_FUNCS[(modeling, func_name)] = func
                 func = use_kernel_forward_from_hub(marked[func_name])(func)
                 setattr(modeling, func_name, func)
                 count += 1
             if isinstance(func, nn.Module):
                 module.__dict__.setdefault("_kernel_funcs", {})[func_name] = func
     return count
+
+
+def unmark_transformers_layers() -> None:
+    """Undo every ``mark_transformers_layers``: the classes lose their layer names and the modelling
+    modules get their functions back (instances built meanwhile keep their ``_kernel_funcs``)."""
+    while _MARKED_CLASSES:
+        cls = _MARKED_CLASSES.pop()
+        for attr in ("kernel_layer_name", "kernel_condition"):
+            if attr in vars(cls):
+                delattr(cls, attr)
+    for (modeling, func_name), func in _REPLACED_FUNCS.items():
+        setattr(modeling, func_name, func)
+    _REPLACED_FUNCS.clear()

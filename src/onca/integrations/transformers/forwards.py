@@ -6,7 +6,11 @@ gradient checkpointing are untouched) and computes the same function through Onc
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +21,27 @@ from onca.integrations.transformers.families import Family
 from onca.nn.mlp import GELU_ACTIVATIONS, gated_mlp_tail
 
 IGNORE_INDEX = -100
+
+# Every function Onca puts in place, by identity. A wrapper made with ``functools.wraps`` (TRL's
+# fused LM head) copies the ``__onca__`` attribute of what it wraps: the attribute alone must not
+# make it pass for Onca's, or ``apply`` would skip it and ``unapply`` would delete it.
+_ONCA_FUNCTIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_onca(function, kind: str):
+    """Mark ``function`` as Onca's ``kind`` of forward (``"rms_norm"``, ``"mlp"``, ...)."""
+    function.__onca__ = kind
+    _ONCA_FUNCTIONS.add(function)
+    return function
+
+
+def onca_kind(function) -> str | None:
+    """The kind of Onca forward ``function`` (or a method bound to it) is; None if not Onca's."""
+    function = getattr(function, "__func__", function)
+    try:
+        return function.__onca__ if function in _ONCA_FUNCTIONS else None
+    except TypeError:  # not weak-referenceable: not one of Onca's
+        return None
 
 
 # ---------------------------------------------------------------------------------------- norms
@@ -75,7 +100,7 @@ class RMSNormLayer(nn.Module):
 
 RMS_NORM_LAYERS = {"llama": LlamaRMSNormLayer, "olmo2": Olmo2RMSNormLayer, "gemma": ZeroCenteredRMSNormLayer}
 for _layer in (*RMS_NORM_LAYERS.values(), RMSNormLayer):
-    _layer.forward.__onca__ = "rms_norm"
+    mark_onca(_layer.forward, "rms_norm")
 
 # How a transformers RMSNorm's forward source applies its weight -> the matching Onca arithmetic.
 _RMS_NORM_SCALINGS = (
@@ -91,7 +116,7 @@ def rms_norm_arithmetic(cls) -> str:
     """``"llama"``, ``"olmo2"`` or ``"gemma"``: which arithmetic ``cls``'s forward uses, or ``""``
     if it is none of them. Read once per class (Dynamo takes the result as a constant)."""
     if cls not in _RMS_NORM_ARITHMETIC:
-        source = " ".join(inspect.getsource(cls).split())
+        source = _normalized_source(cls)
         known = "pow(2).mean(-1, keepdim=True)" in source and "torch.rsqrt(" in source
         _RMS_NORM_ARITHMETIC[cls] = next((name for line, name in _RMS_NORM_SCALINGS
                                           if known and line in source), "")
@@ -99,6 +124,12 @@ def rms_norm_arithmetic(cls) -> str:
 
 
 _RMS_NORM_ARITHMETIC: dict[type, str] = {}
+
+
+def _normalized_source(obj) -> str:
+    """``obj``'s source as Python prints it back (no comments, docstrings kept, one spelling of
+    parentheses and spacing), so that a pattern matches however the source was laid out."""
+    return ast.unparse(ast.parse(textwrap.dedent(inspect.getsource(obj))))
 
 
 def _norm_eps(module) -> float:
@@ -112,7 +143,7 @@ def layer_norm_forward(self, input):
     return OF.layer_norm(input, self.weight, self.bias, self.eps)
 
 
-layer_norm_forward.__onca__ = "layer_norm"
+mark_onca(layer_norm_forward, "layer_norm")
 
 
 # ----------------------------------------------------------------------------------------- MLPs
@@ -157,7 +188,7 @@ class GeGLUMLPLayer(nn.Module):
 
 MLP_LAYERS = {"swiglu": SwiGLUMLPLayer, "phi3": Phi3MLPLayer, "geglu": GeGLUMLPLayer}
 for _layer in MLP_LAYERS.values():
-    _layer.forward.__onca__ = "mlp"
+    mark_onca(_layer.forward, "mlp")
 
 
 def experts_apply_gate(self, gate_up):
@@ -168,7 +199,7 @@ def experts_apply_gate(self, gate_up):
     return OF.swiglu(gate_up, overwrite_inputs=True)
 
 
-experts_apply_gate.__onca__ = "mlp"
+mark_onca(experts_apply_gate, "mlp")
 
 
 def make_experts_forward(original_forward):
@@ -183,8 +214,7 @@ def make_experts_forward(original_forward):
             return original_forward(self, hidden_states, top_k_index, top_k_weights)
         return _experts_loop(self, hidden_states, top_k_index, top_k_weights)
 
-    forward.__onca__ = "mlp"
-    return forward
+    return mark_onca(forward, "mlp")
 
 
 def _experts_loop(self, hidden_states, top_k_index, top_k_weights):
@@ -216,7 +246,8 @@ def rotary_pos_emb_cast_back(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
-rotary_pos_emb.__onca__ = rotary_pos_emb_cast_back.__onca__ = "rope"
+mark_onca(rotary_pos_emb, "rope")
+mark_onca(rotary_pos_emb_cast_back, "rope")
 
 
 def rope_for(family: Family):
@@ -239,7 +270,7 @@ class RotaryPosEmbLayer(nn.Module):
         return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
-RotaryPosEmbLayer.forward.__onca__ = "rope"
+mark_onca(RotaryPosEmbLayer.forward, "rope")
 _ROPE_VARIANTS = {"promoted": rotary_pos_emb, "cast_back": rotary_pos_emb_cast_back}
 _ROTATE_HALF = "q_embed = q * cos + rotate_half(q) * sin"
 _ROPE_VARIANT: dict[type, str] = {}
@@ -251,7 +282,7 @@ def rope_variant(func_module_class) -> str:
     the kernels package wrapped in ``func_module_class``, read once from its source."""
     if func_module_class not in _ROPE_VARIANT:
         func = inspect.getclosurevars(func_module_class.forward).nonlocals.get("func")
-        source = " ".join(inspect.getsource(func).split()) if inspect.isfunction(func) else ""
+        source = _normalized_source(func) if inspect.isfunction(func) else ""
         variant = ""
         if _ROTATE_HALF in source or _ROTATE_HALF.replace("q", "q.float()") in source:
             variant = "cast_back" if "q_embed.to(" in source else "promoted"
@@ -266,7 +297,9 @@ def make_causal_lm_forward(family: Family, original_forward):
     """A causal-LM ``forward`` that, when training with labels, computes the loss with fused linear
     cross entropy straight from the last hidden states: the logits are never materialised.
 
-    Otherwise (no labels, evaluation, or ``skip_logits=False``) it is the original forward. The
+    Otherwise (no labels, evaluation, ``skip_logits=False``, or a keyword argument that is not
+    transformers' own, such as TRL's ``fused_lm_head``) it calls ``original_forward(self, ...)``
+    with the arguments it was given: whatever forward was there before, wrappers included. The
     labels are handled as transformers does: shifted by one, ``-100`` ignored, and summed then
     divided by ``num_items_in_batch`` when the Trainer passes it (gradient accumulation).
     """
@@ -274,17 +307,16 @@ def make_causal_lm_forward(family: Family, original_forward):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None,
                 **kwargs):
-        shift_labels = kwargs.pop("shift_labels", None)
-        has_labels = labels is not None or shift_labels is not None
+        has_labels = labels is not None or kwargs.get("shift_labels") is not None
         if skip_logits is None:
             skip_logits = self.training and has_labels
-        if not skip_logits or not has_labels:
-            if shift_labels is not None:
-                kwargs["shift_labels"] = shift_labels
-            return original_forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, past_key_values=past_key_values,
-                                    inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                    logits_to_keep=logits_to_keep, **kwargs)
+        if not skip_logits or not has_labels or not _transformers_kwargs().issuperset(kwargs):
+            given = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                         use_cache=use_cache, logits_to_keep=logits_to_keep or None)
+            # Only what the caller passed: a wrapper further down may not take every argument.
+            return original_forward(self, **{k: v for k, v in given.items() if v is not None}, **kwargs)
+        shift_labels = kwargs.pop("shift_labels", None)
         return_dict = kwargs.pop("return_dict", None)
         num_items_in_batch = kwargs.get("num_items_in_batch")
         model_kwargs = dict(kwargs)
@@ -304,9 +336,18 @@ def make_causal_lm_forward(family: Family, original_forward):
         result = _output(family, outputs, loss, aux_loss)
         return result.to_tuple() if return_dict is False else result
 
-    forward.__onca__ = "fused_linear_cross_entropy"
     forward.__wrapped__ = original_forward
-    return forward
+    return mark_onca(forward, "fused_linear_cross_entropy")
+
+
+@functools.cache
+def _transformers_kwargs() -> frozenset[str]:
+    """The keyword arguments a transformers causal-LM forward takes besides its named ones: the
+    ones Onca's loss path knows how to pass on to the base model."""
+    from transformers.utils.generic import TransformersKwargs
+
+    return frozenset({*TransformersKwargs.__annotations__, "shift_labels", "return_dict", "cache_position",
+                      "output_attentions", "output_hidden_states", "token_type_ids"})
 
 
 def causal_lm_loss(model, family: Family, hidden, labels, shift_labels, num_items_in_batch):

@@ -45,9 +45,22 @@ def _forward_of(module) -> object:
     return _ORIGINALS.get((type(module), "forward"), type(module).forward)
 
 
+def _current_forward(module):
+    """The forward the instance has now, as a function of ``self``: one set on the instance (a
+    wrapper such as TRL's fused LM head) if there is one, else the class's (see ``_forward_of``)."""
+    instance_forward = module.__dict__.get("forward")
+    if instance_forward is None:
+        return _forward_of(module)
+    return lambda self, *args, **kwargs: instance_forward(*args, **kwargs)
+
+
 def _patch_instance(module, forward) -> None:
-    if getattr(module.forward, "__onca__", None) == forward.__onca__:
+    current = module.__dict__.get("forward")
+    if forwards.onca_kind(current or module.forward) == forwards.onca_kind(forward):
         return  # patched already: patching twice is harmless
+    if current is not None and forwards.onca_kind(current) is None:
+        # Someone else's forward on the instance: `unapply` puts it back.
+        module.__dict__.setdefault("_onca_replaced", {})["forward"] = current
     module.forward = types.MethodType(forward, module)
 
 
@@ -85,7 +98,7 @@ def apply(model, **kernels) -> torch.nn.Module:
                 f"fused_linear_cross_entropy patches {family.causal_lm_class}, got {type(model).__name__}; "
                 "pass fused_linear_cross_entropy=False to patch a base model"
             )
-        _patch_instance(model, forwards.make_causal_lm_forward(family, _forward_of(model)))
+        _patch_instance(model, forwards.make_causal_lm_forward(family, _current_forward(model)))
         counts["fused_linear_cross_entropy"] = 1
     if use["rope"]:
         _patch_global(modeling, "apply_rotary_pos_emb", forwards.rope_for(family))
@@ -104,12 +117,17 @@ def apply(model, **kernels) -> torch.nn.Module:
 
 
 def unapply(model) -> torch.nn.Module:
-    """Undo ``apply``: every instance forward Onca set is removed, and RoPE's module-level patch is
-    undone once no other patched model of the family uses it."""
+    """Undo ``apply``: every instance forward Onca set is removed, the instance forward it wrapped
+    (if any) put back, and RoPE's module-level patch undone once no other patched model of the
+    family uses it. A forward that wraps Onca's (TRL's, added after ``apply``) stays: removing it
+    would remove the wrapper's behaviour too."""
     for module in model.modules():
+        replaced = module.__dict__.pop("_onca_replaced", {})
         for attr in ("forward", "_apply_gate"):
-            if getattr(module.__dict__.get(attr), "__onca__", None):
+            if forwards.onca_kind(module.__dict__.get(attr)):
                 delattr(module, attr)
+                if attr in replaced:
+                    setattr(module, attr, replaced[attr])
     if getattr(model, "_onca_rope", False):
         family = family_of(_model_type(model))
         _ROPE_USERS[family.model_type] -= 1
@@ -178,7 +196,7 @@ def _class_patched(family: Family) -> bool:
 
 def _patch_global(owner, name: str, value) -> None:
     current = getattr(owner, name)
-    if getattr(current, "__onca__", None) == getattr(value, "__onca__", None):
+    if forwards.onca_kind(current) == forwards.onca_kind(value):
         return
     _ORIGINALS.setdefault((owner, name), current)
     setattr(owner, name, value)
