@@ -279,15 +279,29 @@ _ROPE_VARIANT: dict[type, str] = {}
 @torch.compiler.assume_constant_result
 def rope_variant(func_module_class) -> str:
     """``"promoted"``, ``"cast_back"`` or ``""`` (not Onca's): the variant of the function that
-    the kernels package wrapped in ``func_module_class``, read once from its source."""
+    the kernels package wrapped in ``func_module_class``, read once from its source and from its
+    module's ``rotate_half`` (NanoChat's flips the signs)."""
     if func_module_class not in _ROPE_VARIANT:
         func = inspect.getclosurevars(func_module_class.forward).nonlocals.get("func")
-        source = _normalized_source(func) if inspect.isfunction(func) else ""
         variant = ""
-        if _ROTATE_HALF in source or _ROTATE_HALF.replace("q", "q.float()") in source:
-            variant = "cast_back" if "q_embed.to(" in source else "promoted"
+        if inspect.isfunction(func) and _standard_rotate_half(func.__globals__.get("rotate_half")):
+            source = _normalized_source(func)
+            if _ROTATE_HALF in source or _ROTATE_HALF.replace("q", "q.float()") in source:
+                variant = "cast_back" if "q_embed.to(" in source else "promoted"
         _ROPE_VARIANT[func_module_class] = variant
     return _ROPE_VARIANT[func_module_class]
+
+
+_STANDARD_ROTATE_HALF = "x1 = x[..., :x.shape[-1] // 2]\nx2 = x[..., x.shape[-1] // 2:]\nreturn torch.cat((-x2, x1), dim=-1)"
+
+
+def _standard_rotate_half(rotate_half) -> bool:
+    if not inspect.isfunction(rotate_half):
+        return False
+    body = ast.parse(textwrap.dedent(inspect.getsource(rotate_half))).body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return "\n".join(ast.unparse(statement) for statement in body) == _STANDARD_ROTATE_HALF
 
 
 # ------------------------------------------------------------------------------ causal-LM loss
