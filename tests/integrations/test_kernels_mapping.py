@@ -11,6 +11,7 @@ import glob
 import inspect
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
 Mode = kernels.Mode
 
-MODES = (Mode.TRAINING, Mode.INFERENCE, Mode.TRAINING | Mode.TORCH_COMPILE, Mode.INFERENCE | Mode.TORCH_COMPILE)
+MODES = (Mode.TRAINING, Mode.INFERENCE, Mode.TRAINING | Mode.TORCH_COMPILE,
+         Mode.INFERENCE | Mode.TORCH_COMPILE)
 COVERAGE_SAMPLE = ("llama", "olmo3", "nanochat", "phimoe", "seed_oss", "glm4")
 
 
@@ -212,7 +214,7 @@ def marked_causal_lm_classes() -> list[tuple[str, str]]:
     root = os.path.dirname(transformers.models.__file__)
     marked_dirs = {os.path.basename(os.path.dirname(path))
                    for path in glob.glob(os.path.join(root, "*", "modeling_*.py"))
-                   if re.search(r"use_kernel_(forward|func)_from_hub\(", open(path).read())}
+                   if re.search(r"use_kernel_(forward|func)_from_hub\(", Path(path).read_text())}
     return sorted((model_type, name) for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
                   if isinstance(name, str) and _module_dir(model_type) in marked_dirs)
 

@@ -25,8 +25,8 @@ def _tokenizer():
     vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def _model():
@@ -50,8 +50,9 @@ def _sft(model, tmp_path):
 def _dpo(model, tmp_path):
     data = datasets.Dataset.from_dict({"prompt": ["hi ", "2+2="] * 2, "chosen": ["there", "4"] * 2,
                                        "rejected": ["no", "5"] * 2})
-    return trl.DPOTrainer(model=model, ref_model=_model(), args=trl.DPOConfig(max_length=16, **_common(tmp_path)),
-                          train_dataset=data, processing_class=_tokenizer())
+    args = trl.DPOConfig(max_length=16, **_common(tmp_path))
+    return trl.DPOTrainer(model=model, ref_model=_model(), args=args, train_dataset=data,
+                          processing_class=_tokenizer())
 
 
 def _reward_length(completions, **kwargs):

@@ -95,7 +95,8 @@ def _overlay_transformers_defaults(onca_mapping: dict) -> None:
 
 # ------------------------------------------------------------------ transformers' layer markers
 
-_MARKED = re.compile(r'@use_kernel_(?:forward|func)_from_hub\("(\w+)"\)\s+(?:@[^\n]*\s+)*(?:class|def)\s+(\w+)')
+_MARKED = re.compile(
+    r'@use_kernel_(?:forward|func)_from_hub\("(\w+)"\)\s+(?:@[^\n]*\s+)*(?:class|def)\s+(\w+)')
 _FUNC_USERS = re.compile(r"@use_kernelized_func\(([\w, ]+)\)\s+(?:@[^\n]*\s+)*class\s+(\w+)")
 
 

@@ -292,7 +292,8 @@ def rope_variant(func_module_class) -> str:
     return _ROPE_VARIANT[func_module_class]
 
 
-_STANDARD_ROTATE_HALF = "x1 = x[..., :x.shape[-1] // 2]\nx2 = x[..., x.shape[-1] // 2:]\nreturn torch.cat((-x2, x1), dim=-1)"
+_STANDARD_ROTATE_HALF = ("x1 = x[..., :x.shape[-1] // 2]\nx2 = x[..., x.shape[-1] // 2:]\n"
+                         "return torch.cat((-x2, x1), dim=-1)")
 
 
 def _standard_rotate_half(rotate_half) -> bool:
