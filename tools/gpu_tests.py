@@ -39,6 +39,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/integrations/test_compile.py", "tests/integrations/test_cuda_graph.py", "tests/bench",
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
+    "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
 }
 # Shards whose tests run kernels (what memcheck is for).
 KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import types
 
 import pytest
 import torch
@@ -191,3 +193,51 @@ def test_trainer_trains_a_patched_model_with_gradient_accumulation(tmp_path, dev
     finally:
         onca.unapply(patched)
     assert len(got) == 2 and got == pytest.approx(expected, rel=1e-4)
+
+
+def _wrap_forward(model, seen):
+    """A wrapper on the instance like TRL's fused LM head: ``functools.wraps`` of the class's
+    forward (copying its attributes, Onca's marker included), with a keyword of its own."""
+    inner = model.forward
+
+    @functools.wraps(type(model).forward)
+    def wrapper(self, *args, extra_head=False, **kwargs):
+        seen.append(extra_head)
+        if extra_head:
+            return "extra head"
+        return inner(*args, **kwargs)
+
+    model.forward = types.MethodType(wrapper, model)
+    return model.forward
+
+
+def test_apply_wraps_the_instance_forward_and_unapply_restores_it():
+    seen = []
+    model = _model("llama").train()
+    wrapper = _wrap_forward(model, seen)
+    onca.apply(model)
+    assert model.forward is not wrapper and model._onca_kernels["fused_linear_cross_entropy"] == 1
+    x = torch.randint(0, 256, (2, 8))
+    # A keyword Onca does not own goes to the wrapper, labels and all.
+    assert model(input_ids=x, labels=x, extra_head=True) == "extra head" and seen == [True]
+    out = model(input_ids=x, labels=x)  # Onca's loss path: the wrapper is not called
+    assert out.logits is None and seen == [True]
+    model.eval()
+    assert model(input_ids=x).logits.shape == (2, 8, 256) and seen == [True, False]
+    onca.unapply(model)
+    assert model.forward is wrapper
+
+
+def test_copied_markers_do_not_fool_apply_or_unapply():
+    seen = []
+    onca.apply_to("llama")
+    try:
+        model = _model("llama")
+        wrapper = _wrap_forward(model, seen)
+        assert wrapper.__onca__ == "fused_linear_cross_entropy"  # copied by functools.wraps
+        onca.apply(model, rope=False)
+        assert model.forward is not wrapper  # not mistaken for Onca's: wrapped
+        onca.unapply(model)
+        assert model.forward is wrapper  # not mistaken for Onca's: kept
+    finally:
+        onca.unapply_to("llama")

@@ -1,1 +1,2 @@
-"""Integrations with model libraries (Hugging Face transformers)."""
+"""Integrations with model libraries: Hugging Face transformers (``onca.apply``) and the ``kernels``
+package's ``kernelize`` (``onca.integrations.kernels``)."""

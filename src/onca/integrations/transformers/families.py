@@ -69,9 +69,6 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
-# RMSNorm arithmetic per family: (casting_mode, offset) for onca.functional.rms_norm.
-NORM_ARITHMETIC = {"llama": ("llama", 0.0), "olmo2": ("gemma", 0.0), "gemma": ("gemma", 1.0)}
-
 
 def family_of(model_type: str) -> Family:
     try:

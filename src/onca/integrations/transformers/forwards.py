@@ -6,30 +6,135 @@ gradient checkpointing are untouched) and computes the same function through Onc
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+import weakref
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from onca import functional as OF
-from onca.integrations.transformers.families import NORM_ARITHMETIC, Family
+from onca.integrations.transformers.families import Family
 from onca.nn.mlp import GELU_ACTIVATIONS, gated_mlp_tail
 
 IGNORE_INDEX = -100
+
+# Every function Onca puts in place, by identity. A wrapper made with ``functools.wraps`` (TRL's
+# fused LM head) copies the ``__onca__`` attribute of what it wraps: the attribute alone must not
+# make it pass for Onca's, or ``apply`` would skip it and ``unapply`` would delete it.
+_ONCA_FUNCTIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_onca(function, kind: str):
+    """Mark ``function`` as Onca's ``kind`` of forward (``"rms_norm"``, ``"mlp"``, ...)."""
+    function.__onca__ = kind
+    _ONCA_FUNCTIONS.add(function)
+    return function
+
+
+def onca_kind(function) -> str | None:
+    """The kind of Onca forward ``function`` (or a method bound to it) is; None if not Onca's."""
+    function = getattr(function, "__func__", function)
+    try:
+        return function.__onca__ if function in _ONCA_FUNCTIONS else None
+    except TypeError:  # not weak-referenceable: not one of Onca's
+        return None
 
 
 # ---------------------------------------------------------------------------------------- norms
 
 
-def make_rms_norm_forward(family: Family):
-    casting, offset = NORM_ARITHMETIC[family.norm]
+class LlamaRMSNormLayer(nn.Module):
+    """Llama's RMSNorm (normalise in fp32, cast to the input's dtype, then scale by ``weight``).
+
+    This and the other ``*Layer`` classes are stateless layers in the sense of the ``kernels``
+    package (no ``__init__``, no members but ``forward`` and its two flags): ``onca.apply`` sets
+    their ``forward`` on a module, and ``onca.integrations.kernels`` hands the class to
+    ``kernelize``, so both routes run the same code. They read the module's ``weight`` and its
+    ``variance_epsilon`` (or ``eps``)."""
+
+    can_torch_compile = True
+    has_backward = True
 
     def forward(self, hidden_states):
-        eps = getattr(self, "variance_epsilon", None)
-        if eps is None:
-            eps = self.eps
-        return OF.rms_norm(hidden_states, self.weight, eps, offset, casting)
+        return OF.rms_norm(hidden_states, self.weight, _norm_eps(self), 0.0, "llama")
 
-    forward.__onca__ = "rms_norm"
-    return forward
+
+class Olmo2RMSNormLayer(nn.Module):
+    """OLMo-2's RMSNorm: scaled by ``weight`` in fp32, then cast to the input's dtype."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        return OF.rms_norm(hidden_states, self.weight, _norm_eps(self), 0.0, "gemma")
+
+
+class ZeroCenteredRMSNormLayer(nn.Module):
+    """Gemma's (and Qwen3.5's) zero-centred RMSNorm: scaled by ``1 + weight`` in fp32, then cast."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        return OF.rms_norm(hidden_states, self.weight, _norm_eps(self), 1.0, "gemma")
+
+
+class RMSNormLayer(nn.Module):
+    """Any RMSNorm transformers marks ``"RMSNorm"`` or ``"RMSNormZeroCentered"``: one layer name
+    covers several arithmetics, so the arithmetic is read from the module class's own ``forward``
+    (once per class); a class whose arithmetic Onca does not recognise keeps its own forward."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        layer = RMS_NORM_LAYERS.get(rms_norm_arithmetic(type(self)))
+        if layer is None:
+            return type(self).forward(self, hidden_states)
+        return layer.forward(self, hidden_states)
+
+
+RMS_NORM_LAYERS = {"llama": LlamaRMSNormLayer, "olmo2": Olmo2RMSNormLayer, "gemma": ZeroCenteredRMSNormLayer}
+for _layer in (*RMS_NORM_LAYERS.values(), RMSNormLayer):
+    mark_onca(_layer.forward, "rms_norm")
+
+# How a transformers RMSNorm's forward source applies its weight -> the matching Onca arithmetic.
+_RMS_NORM_SCALINGS = (
+    ("return self.weight * hidden_states.to(input_dtype)", "llama"),
+    ("return (self.weight * hidden_states).to(input_dtype)", "olmo2"),
+    ("return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)", "olmo2"),
+    ("output = output * (1.0 + self.weight.float())", "gemma"),
+)
+
+
+@torch.compiler.assume_constant_result
+def rms_norm_arithmetic(cls) -> str:
+    """``"llama"``, ``"olmo2"`` or ``"gemma"``: which arithmetic ``cls``'s forward uses, or ``""``
+    if it is none of them. Read once per class (Dynamo takes the result as a constant)."""
+    if cls not in _RMS_NORM_ARITHMETIC:
+        source = _normalized_source(cls)
+        known = "pow(2).mean(-1, keepdim=True)" in source and "torch.rsqrt(" in source
+        _RMS_NORM_ARITHMETIC[cls] = next((name for line, name in _RMS_NORM_SCALINGS
+                                          if known and line in source), "")
+    return _RMS_NORM_ARITHMETIC[cls]
+
+
+_RMS_NORM_ARITHMETIC: dict[type, str] = {}
+
+
+def _normalized_source(obj) -> str:
+    """``obj``'s source as Python prints it back (no comments, docstrings kept, one spelling of
+    parentheses and spacing), so that a pattern matches however the source was laid out."""
+    return ast.unparse(ast.parse(textwrap.dedent(inspect.getsource(obj))))
+
+
+def _norm_eps(module) -> float:
+    eps = getattr(module, "variance_epsilon", None)
+    return module.eps if eps is None else eps
 
 
 def layer_norm_forward(self, input):
@@ -38,32 +143,52 @@ def layer_norm_forward(self, input):
     return OF.layer_norm(input, self.weight, self.bias, self.eps)
 
 
-layer_norm_forward.__onca__ = "layer_norm"
+mark_onca(layer_norm_forward, "layer_norm")
 
 
 # ----------------------------------------------------------------------------------------- MLPs
 
 
-def swiglu_mlp_forward(self, x):
-    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu", overwrite_inputs=True)
+class SwiGLUMLPLayer(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (Llama, Qwen, Mistral): the kernels
+    package's ``SwiGLUMLP``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x):
+        return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu",
+                              overwrite_inputs=True)
 
 
-def phi3_mlp_forward(self, hidden_states):
-    # gate_up_proj holds [gate; up]; the kernels read its halves in place, no copy.
-    return gated_mlp_tail(self.gate_up_proj(hidden_states), None, self.down_proj, "silu",
-                          overwrite_inputs=True)
+class Phi3MLPLayer(nn.Module):
+    """Phi-3's MLP: ``gate_up_proj`` holds ``[gate; up]``; the kernels read its halves in place."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        return gated_mlp_tail(self.gate_up_proj(hidden_states), None, self.down_proj, "silu",
+                              overwrite_inputs=True)
 
 
-def geglu_mlp_forward(self, x):
-    act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", None)
-    activation = GELU_ACTIVATIONS.get(act, "gelu_tanh")
-    return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation,
-                          overwrite_inputs=True)
+class GeGLUMLPLayer(nn.Module):
+    """``down_proj(gelu(gate_proj(x)) * up_proj(x))`` with the GELU form of ``config``'s
+    activation (Gemma): the kernels package's ``GeGLUMLP``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x):
+        act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", None)
+        activation = GELU_ACTIVATIONS.get(act, "gelu_tanh")
+        return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation,
+                              overwrite_inputs=True)
 
 
-MLP_FORWARDS = {"swiglu": swiglu_mlp_forward, "phi3": phi3_mlp_forward, "geglu": geglu_mlp_forward}
-for _fn in MLP_FORWARDS.values():
-    _fn.__onca__ = "mlp"
+MLP_LAYERS = {"swiglu": SwiGLUMLPLayer, "phi3": Phi3MLPLayer, "geglu": GeGLUMLPLayer}
+for _layer in MLP_LAYERS.values():
+    mark_onca(_layer.forward, "mlp")
 
 
 def experts_apply_gate(self, gate_up):
@@ -74,7 +199,7 @@ def experts_apply_gate(self, gate_up):
     return OF.swiglu(gate_up, overwrite_inputs=True)
 
 
-experts_apply_gate.__onca__ = "mlp"
+mark_onca(experts_apply_gate, "mlp")
 
 
 def make_experts_forward(original_forward):
@@ -89,8 +214,7 @@ def make_experts_forward(original_forward):
             return original_forward(self, hidden_states, top_k_index, top_k_weights)
         return _experts_loop(self, hidden_states, top_k_index, top_k_weights)
 
-    forward.__onca__ = "mlp"
-    return forward
+    return mark_onca(forward, "mlp")
 
 
 def _experts_loop(self, hidden_states, top_k_index, top_k_weights):
@@ -122,11 +246,63 @@ def rotary_pos_emb_cast_back(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
-rotary_pos_emb.__onca__ = rotary_pos_emb_cast_back.__onca__ = "rope"
+mark_onca(rotary_pos_emb, "rope")
+mark_onca(rotary_pos_emb_cast_back, "rope")
 
 
 def rope_for(family: Family):
     return rotary_pos_emb_cast_back if family.rope_casts_back else rotary_pos_emb
+
+
+class RotaryPosEmbLayer(nn.Module):
+    """transformers' ``apply_rotary_pos_emb`` as the kernels package wraps it (a module per
+    function, marked ``"rotary_pos_emb"``). Its variants share the layer name: the one that
+    returns the promoted dtype and the ones that cast back to ``q``'s dtype run Onca's kernel; any
+    other (GPT-OSS's half-width ``cos``/``sin``) keeps the original function."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        rope = _ROPE_VARIANTS.get(rope_variant(type(self)))
+        if rope is None:
+            return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
+        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+mark_onca(RotaryPosEmbLayer.forward, "rope")
+_ROPE_VARIANTS = {"promoted": rotary_pos_emb, "cast_back": rotary_pos_emb_cast_back}
+_ROTATE_HALF = "q_embed = q * cos + rotate_half(q) * sin"
+_ROPE_VARIANT: dict[type, str] = {}
+
+
+@torch.compiler.assume_constant_result
+def rope_variant(func_module_class) -> str:
+    """``"promoted"``, ``"cast_back"`` or ``""`` (not Onca's): the variant of the function that
+    the kernels package wrapped in ``func_module_class``, read once from its source and from its
+    module's ``rotate_half`` (NanoChat's flips the signs)."""
+    if func_module_class not in _ROPE_VARIANT:
+        func = inspect.getclosurevars(func_module_class.forward).nonlocals.get("func")
+        variant = ""
+        if inspect.isfunction(func) and _standard_rotate_half(func.__globals__.get("rotate_half")):
+            source = _normalized_source(func)
+            if _ROTATE_HALF in source or _ROTATE_HALF.replace("q", "q.float()") in source:
+                variant = "cast_back" if "q_embed.to(" in source else "promoted"
+        _ROPE_VARIANT[func_module_class] = variant
+    return _ROPE_VARIANT[func_module_class]
+
+
+_STANDARD_ROTATE_HALF = ("x1 = x[..., :x.shape[-1] // 2]\nx2 = x[..., x.shape[-1] // 2:]\n"
+                         "return torch.cat((-x2, x1), dim=-1)")
+
+
+def _standard_rotate_half(rotate_half) -> bool:
+    if not inspect.isfunction(rotate_half):
+        return False
+    body = ast.parse(textwrap.dedent(inspect.getsource(rotate_half))).body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return "\n".join(ast.unparse(statement) for statement in body) == _STANDARD_ROTATE_HALF
 
 
 # ------------------------------------------------------------------------------ causal-LM loss
@@ -136,7 +312,9 @@ def make_causal_lm_forward(family: Family, original_forward):
     """A causal-LM ``forward`` that, when training with labels, computes the loss with fused linear
     cross entropy straight from the last hidden states: the logits are never materialised.
 
-    Otherwise (no labels, evaluation, or ``skip_logits=False``) it is the original forward. The
+    Otherwise (no labels, evaluation, ``skip_logits=False``, or a keyword argument that is not
+    transformers' own, such as TRL's ``fused_lm_head``) it calls ``original_forward(self, ...)``
+    with the arguments it was given: whatever forward was there before, wrappers included. The
     labels are handled as transformers does: shifted by one, ``-100`` ignored, and summed then
     divided by ``num_items_in_batch`` when the Trainer passes it (gradient accumulation).
     """
@@ -144,17 +322,16 @@ def make_causal_lm_forward(family: Family, original_forward):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None,
                 **kwargs):
-        shift_labels = kwargs.pop("shift_labels", None)
-        has_labels = labels is not None or shift_labels is not None
+        has_labels = labels is not None or kwargs.get("shift_labels") is not None
         if skip_logits is None:
             skip_logits = self.training and has_labels
-        if not skip_logits or not has_labels:
-            if shift_labels is not None:
-                kwargs["shift_labels"] = shift_labels
-            return original_forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, past_key_values=past_key_values,
-                                    inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                    logits_to_keep=logits_to_keep, **kwargs)
+        if not skip_logits or not has_labels or not _transformers_kwargs().issuperset(kwargs):
+            given = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                         use_cache=use_cache, logits_to_keep=logits_to_keep or None)
+            # Only what the caller passed: a wrapper further down may not take every argument.
+            return original_forward(self, **{k: v for k, v in given.items() if v is not None}, **kwargs)
+        shift_labels = kwargs.pop("shift_labels", None)
         return_dict = kwargs.pop("return_dict", None)
         num_items_in_batch = kwargs.get("num_items_in_batch")
         model_kwargs = dict(kwargs)
@@ -174,9 +351,18 @@ def make_causal_lm_forward(family: Family, original_forward):
         result = _output(family, outputs, loss, aux_loss)
         return result.to_tuple() if return_dict is False else result
 
-    forward.__onca__ = "fused_linear_cross_entropy"
     forward.__wrapped__ = original_forward
-    return forward
+    return mark_onca(forward, "fused_linear_cross_entropy")
+
+
+@functools.cache
+def _transformers_kwargs() -> frozenset[str]:
+    """The keyword arguments a transformers causal-LM forward takes besides its named ones: the
+    ones Onca's loss path knows how to pass on to the base model."""
+    from transformers.utils.generic import TransformersKwargs
+
+    return frozenset({*TransformersKwargs.__annotations__, "shift_labels", "return_dict", "cache_position",
+                      "output_attentions", "output_hidden_states", "token_type_ids"})
 
 
 def causal_lm_loss(model, family: Family, hidden, labels, shift_labels, num_items_in_batch):

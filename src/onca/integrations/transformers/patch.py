@@ -51,9 +51,22 @@ def _forward_of(module) -> object:
     return _ORIGINALS.get((type(module), "forward"), type(module).forward)
 
 
+def _current_forward(module):
+    """The forward the instance has now, as a function of ``self``: one set on the instance (a
+    wrapper such as TRL's fused LM head) if there is one, else the class's (see ``_forward_of``)."""
+    instance_forward = module.__dict__.get("forward")
+    if instance_forward is None:
+        return _forward_of(module)
+    return lambda self, *args, **kwargs: instance_forward(*args, **kwargs)
+
+
 def _patch_instance(module, attr: str, function) -> None:
-    if getattr(getattr(module, attr), "__onca__", None) == function.__onca__:
+    current = module.__dict__.get(attr)
+    if forwards.onca_kind(current or getattr(module, attr)) == forwards.onca_kind(function):
         return  # patched already: patching twice is harmless
+    if current is not None and forwards.onca_kind(current) is None:
+        # Someone else's function on the instance: `unapply` puts it back.
+        module.__dict__.setdefault("_onca_replaced", {})[attr] = current
     setattr(module, attr, types.MethodType(function, module))
 
 
@@ -86,7 +99,7 @@ def _instance_patches(model, family: Family, use: dict[str, bool]):
     kernel; raises, before anything is patched, where the model cannot take a selected kernel."""
     patches = []
     counts = {name: 0 for name in KERNELS}
-    rms_forward = forwards.make_rms_norm_forward(family)
+    rms_forward = forwards.RMS_NORM_LAYERS[family.norm].forward
     for module in model.modules():
         name = type(module).__name__
         if use["rms_norm"] and name == family.norm_class:
@@ -96,7 +109,7 @@ def _instance_patches(model, family: Family, use: dict[str, bool]):
             patches.append((module, "forward", forwards.layer_norm_forward))
             counts["layer_norm"] += 1
         elif use["mlp"] and name == family.mlp_class:
-            patches.append((module, "forward", forwards.MLP_FORWARDS[family.mlp]))
+            patches.append((module, "forward", forwards.MLP_LAYERS[family.mlp].forward))
             counts["mlp"] += 1
         elif use["mlp"] and family.experts and name == family.experts_class:
             patches.append((module, "forward", forwards.make_experts_forward(_forward_of(module))))
@@ -109,7 +122,7 @@ def _instance_patches(model, family: Family, use: dict[str, bool]):
                 f"fused_linear_cross_entropy patches {family.causal_lm_class}, got {type(model).__name__}; "
                 "pass fused_linear_cross_entropy=False to patch a base model"
             )
-        patches.append((model, "forward", forwards.make_causal_lm_forward(family, _forward_of(model))))
+        patches.append((model, "forward", forwards.make_causal_lm_forward(family, _current_forward(model))))
         counts["fused_linear_cross_entropy"] = 1
     if use["rms_norm"] and counts["rms_norm"] == 0:
         raise ValueError(f"onca.apply found no {family.norm_class} in this {family.model_type} model; "
@@ -121,12 +134,17 @@ def _instance_patches(model, family: Family, use: dict[str, bool]):
 
 
 def unapply(model) -> torch.nn.Module:
-    """Undo ``apply``: every instance forward Onca set is removed, and RoPE's module-level patch is
-    undone once no other patched model of the family uses it."""
+    """Undo ``apply``: every instance forward Onca set is removed, the instance forward it wrapped
+    (if any) put back, and RoPE's module-level patch undone once no other patched model of the
+    family uses it. A forward that wraps Onca's (TRL's, added after ``apply``) stays: removing it
+    would remove the wrapper's behaviour too."""
     for module in model.modules():
+        replaced = module.__dict__.pop("_onca_replaced", {})
         for attr in ("forward", "_apply_gate"):
-            if getattr(module.__dict__.get(attr), "__onca__", None):
+            if forwards.onca_kind(module.__dict__.get(attr)):
                 delattr(module, attr)
+                if attr in replaced:
+                    setattr(module, attr, replaced[attr])
     if getattr(model, "_onca_rope", False):
         family = family_of(_model_type(model))
         _ROPE_USERS[family.model_type] -= 1
@@ -147,8 +165,8 @@ def apply_to(model_type: str, **kernels) -> Family:
     patches = []  # (owner, attribute, replacement)
     if use["rms_norm"]:
         patches.append((_class_of(modeling, family.norm_class), "forward",
-                        forwards.make_rms_norm_forward(family)))
-    mlp_forward = forwards.MLP_FORWARDS[family.mlp]
+                        forwards.RMS_NORM_LAYERS[family.norm].forward))
+    mlp_forward = forwards.MLP_LAYERS[family.mlp].forward
     if use["mlp"] and family.experts:
         experts = _class_of(modeling, family.experts_class)
         original = _ORIGINALS.get((experts, "forward"), experts.forward)
@@ -198,7 +216,7 @@ def _class_patched(family: Family) -> bool:
 
 def _patch_global(owner, name: str, value) -> None:
     current = getattr(owner, name)
-    if getattr(current, "__onca__", None) == getattr(value, "__onca__", None):
+    if forwards.onca_kind(current) == forwards.onca_kind(value):
         return
     _ORIGINALS.setdefault((owner, name), current)
     setattr(owner, name, value)

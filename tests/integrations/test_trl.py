@@ -1,0 +1,100 @@
+"""TRL's SFT, DPO and GRPO trainers on a tiny Qwen3 (CPU), with Onca applied before the trainer
+is built and after it (on ``trainer.model``, over TRL's fused-LM-head wrapper): both train with
+the plain model's losses and gradient norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onca
+from onca.integrations.transformers import forwards
+from onca.integrations.transformers.presets import tiny_config
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+STEPS = 2
+
+
+def _tokenizer():
+    """A character-level tokenizer built here: the trainers need one, and the tests no network."""
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _model():
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab_size=128))
+
+
+def _common(tmp_path):
+    # fp32 (TRL's configs default to bf16 autocast): the runs must then agree to fp32's precision.
+    return dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2, logging_steps=1,
+                report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-3, seed=0,
+                dataloader_num_workers=0, bf16=False)
+
+
+def _sft(model, tmp_path):
+    data = datasets.Dataset.from_dict({"text": ["hello world", "onca kernels", "abc def", "xyz"]})
+    return trl.SFTTrainer(model=model, args=trl.SFTConfig(max_length=16, **_common(tmp_path)),
+                          train_dataset=data, processing_class=_tokenizer())
+
+
+def _dpo(model, tmp_path):
+    data = datasets.Dataset.from_dict({"prompt": ["hi ", "2+2="] * 2, "chosen": ["there", "4"] * 2,
+                                       "rejected": ["no", "5"] * 2})
+    args = trl.DPOConfig(max_length=16, **_common(tmp_path))
+    return trl.DPOTrainer(model=model, ref_model=_model(), args=args, train_dataset=data,
+                          processing_class=_tokenizer())
+
+
+def _reward_length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _grpo(model, tmp_path):
+    data = datasets.Dataset.from_dict({"prompt": ["hi ", "2+2=", "ab", "cd"]})
+    args = trl.GRPOConfig(max_completion_length=4, num_generations=2, **_common(tmp_path))
+    return trl.GRPOTrainer(model=model, reward_funcs=_reward_length, args=args, train_dataset=data,
+                           processing_class=_tokenizer())
+
+
+TRAINERS = {"sft": _sft, "dpo": _dpo, "grpo": _grpo}
+
+
+def _train(trainer):
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == STEPS
+    return [(h["loss"], h["grad_norm"]) for h in logs]
+
+
+@pytest.mark.parametrize("trainer_name", TRAINERS)
+def test_trainer_with_onca_before_and_after_matches_the_plain_model(trainer_name, tmp_path):
+    build = TRAINERS[trainer_name]
+    plain = _train(build(_model(), tmp_path))
+    assert any(grad_norm > 0 for _, grad_norm in plain)  # the comparison below compares something
+
+    before = build(onca.apply(_model()), tmp_path)
+    # TRL wrapped Onca's forward: its fused LM head runs on the Onca-patched backbone.
+    assert forwards.onca_kind(before.model.forward) is None
+    losses_before = _train(before)
+    onca.unapply(before.model)
+
+    after = build(_model(), tmp_path)
+    trl_forward = after.model.forward
+    onca.unapply(onca.apply(after.model))
+    assert after.model.forward is trl_forward
+    onca.apply(after.model)
+    assert forwards.onca_kind(after.model.forward) == "fused_linear_cross_entropy"
+    losses_after = _train(after)
+
+    for onca_run in (losses_before, losses_after):
+        torch.testing.assert_close(torch.tensor(onca_run), torch.tensor(plain), rtol=1e-4, atol=1e-5)
