@@ -53,6 +53,19 @@ class _GraphRecorder:
         return gm.forward
 
 
+def _train(model, forward, tokens, *, steps: int, lr: float) -> torch.Tensor:
+    """The loss of each of ``steps`` AdamW steps of ``model``, run through ``forward``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = forward(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
 def _loss_and_grads(model, step, tokens):
     model.zero_grad(set_to_none=True)
     loss = step(tokens)
@@ -102,16 +115,7 @@ def test_inductor_training_matches_eager(model_type, device):
         if model_type in NO_ROUTER_LOGITS:
             model.config.output_router_logits = False
         forward = torch.compile(model, fullgraph=True) if compile_model else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = _tokens(model, device, batch=4, seq=256)
-        losses = []
-        for _ in range(5):
-            loss = forward(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach().float())
-        runs.append(torch.stack(losses))
+        runs.append(_train(model, forward, _tokens(model, device, batch=4, seq=256), steps=5, lr=1e-3))
     eager, compiled = runs
     assert compiled[-1] < compiled[0], "the compiled run does not learn"
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
@@ -138,17 +142,8 @@ def test_qwen3_widths_train_like_hugging_face(checkpointing, compiled, device):
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         forward = torch.compile(model) if compiled else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tokens = _tokens(model, device, batch=4, seq=2048)
-        run = []
-        for _ in range(3):
-            loss = forward(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            run.append(loss.detach().float())
-        losses[variant] = torch.stack(run)
-        del model, forward, opt
+        losses[variant] = _train(model, forward, _tokens(model, device, batch=4, seq=2048), steps=3, lr=1e-4)
+        del model, forward
         torch.cuda.empty_cache()
     assert torch.isfinite(losses["onca"]).all()
     torch.testing.assert_close(losses["onca"], losses["huggingface"], rtol=1e-2, atol=1e-2)
