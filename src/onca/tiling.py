@@ -113,25 +113,31 @@ def plan_rows(
     persistent: bool | None = None,
     max_block_rows: int | None = None,
     max_block_cols: int | None = None,
+    max_programs: int | None = None,
 ) -> RowPlan:
     """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
 
     ``persistent`` forces (or forbids) a grid capped at the compute units; by default the profile
     decides. Kernels that reduce across rows into per-program partial sums pass ``True`` so that
     the partial buffer stays small. ``max_block_rows`` / ``max_block_cols`` let a kernel cap its
-    tile where its own structure needs it (e.g. a rotary half width).
+    tile where its own structure needs it (e.g. a rotary half width). ``max_programs`` caps the
+    grid (the kernels loop over row blocks, so any grid covers every row): a reduction over all
+    rows done by one program can store its result instead of adding partial sums.
     """
     return _plan_rows(
         int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
-        persistent, max_block_rows, max_block_cols,
+        persistent, max_block_rows, max_block_cols, max_programs,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, max_block_rows,
-               max_block_cols) -> RowPlan:
+               max_block_cols, max_programs) -> RowPlan:
     if rows < 1 or cols < 1:
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
+    if max_programs is not None and max_programs < 1:
+        raise TilingError(f"max_programs must be at least 1, got {max_programs}")
+    units = profile.compute_units if max_programs is None else min(profile.compute_units, max_programs)
     if live_tiles < 0 or fp32_tiles < 0 or live_tiles + fp32_tiles < 1:
         raise TilingError(f"a kernel needs at least one live tile (live={live_tiles}, fp32={fp32_tiles})")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -162,7 +168,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
             min(profile.onchip_bytes // (bytes_per_col * block_cols), max_elements // block_cols)
         )
         # Keep at least one row block per compute unit, so that tall tiles never starve the device.
-        spread = _floor_power_of_2(max(1, rows // profile.compute_units))
+        spread = _floor_power_of_2(max(1, rows // units))
         block_rows = min(fit, spread, next_power_of_2(rows))
         if profile.tile_elements:
             block_rows = min(block_rows, _gpu_block_rows(profile, block_cols, is_persistent))
@@ -174,6 +180,8 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
     num_warps = _num_warps(profile, tile_elements, is_persistent)
     per_unit = max(1, profile.warps_per_unit // num_warps) if profile.warps_per_unit else 1
     grid = min(row_blocks, profile.compute_units * per_unit) if is_persistent else row_blocks
+    if max_programs is not None:
+        grid = min(grid, max_programs)
     return RowPlan(
         rows=rows,
         cols=cols,
