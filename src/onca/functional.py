@@ -10,6 +10,7 @@ from __future__ import annotations
 from onca.ops.fused_add_rms_norm import fused_add_rms_norm
 from onca.ops.layer_norm import layer_norm
 from onca.ops.rms_norm import rms_norm
+from onca.ops.dyt import dyt
 
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
@@ -44,4 +45,5 @@ __all__ = [
     "kl_div",
     "jsd",
     "fused_linear_jsd",
+    "dyt",
 ]

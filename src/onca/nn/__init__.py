@@ -2,6 +2,7 @@
 
 from onca.nn.attn_res import AttnRes
 from onca.nn.cross_entropy import CrossEntropyLoss
+from onca.nn.dyt import DyT
 from onca.nn.embedding import Embedding
 from onca.nn.fused_add_rms_norm import FusedAddRMSNorm
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
@@ -25,4 +26,5 @@ __all__ = [
     "KLDivLoss",
     "JSD",
     "FusedLinearJSD",
+    "DyT",
 ]
