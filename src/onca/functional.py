@@ -11,6 +11,7 @@ from onca.ops.fused_add_rms_norm import fused_add_rms_norm
 from onca.ops.layer_norm import layer_norm
 from onca.ops.rms_norm import rms_norm
 from onca.ops.dyt import dyt
+from onca.ops.poly_norm import poly_norm
 
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
@@ -46,4 +47,5 @@ __all__ = [
     "jsd",
     "fused_linear_jsd",
     "dyt",
+    "poly_norm",
 ]

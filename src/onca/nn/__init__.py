@@ -11,6 +11,7 @@ from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
+from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "JSD",
     "FusedLinearJSD",
     "DyT",
+    "PolyNorm",
 ]
