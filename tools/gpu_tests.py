@@ -40,7 +40,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
-    "10": ("tests/ops/test_dyt.py", "tests/nn/test_dyt.py", "tests/ops/test_poly_norm.py", "tests/nn/test_poly_norm.py"),  # issue 16's norms
+    "10": ("tests/ops/test_dyt.py", "tests/nn/test_dyt.py", "tests/ops/test_poly_norm.py", "tests/nn/test_poly_norm.py",
+           "tests/ops/test_modulated_rms_norm.py", "tests/nn/test_modulated_rms_norm.py"),  # issue 16's norms
 }
 # Shards whose tests run kernels (what memcheck is for).
 KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10")

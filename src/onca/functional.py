@@ -12,6 +12,7 @@ from onca.ops.layer_norm import layer_norm
 from onca.ops.rms_norm import rms_norm
 from onca.ops.dyt import dyt
 from onca.ops.poly_norm import poly_norm
+from onca.ops.modulated_rms_norm import modulated_rms_norm
 
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
@@ -48,4 +49,5 @@ __all__ = [
     "fused_linear_jsd",
     "dyt",
     "poly_norm",
+    "modulated_rms_norm",
 ]

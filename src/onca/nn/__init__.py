@@ -11,6 +11,7 @@ from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
+from onca.nn.modulated_rms_norm import ModulatedRMSNorm
 from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
 
@@ -29,4 +30,5 @@ __all__ = [
     "FusedLinearJSD",
     "DyT",
     "PolyNorm",
+    "ModulatedRMSNorm",
 ]
