@@ -41,7 +41,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
     "10": ("tests/ops/test_dyt.py", "tests/nn/test_dyt.py", "tests/ops/test_poly_norm.py", "tests/nn/test_poly_norm.py",
-           "tests/ops/test_modulated_rms_norm.py", "tests/nn/test_modulated_rms_norm.py"),  # issue 16's norms
+           "tests/ops/test_modulated_rms_norm.py", "tests/nn/test_modulated_rms_norm.py",
+           "tests/ops/test_group_norm.py", "tests/nn/test_group_norm.py"),  # issue 16's norms
 }
 # Shards whose tests run kernels (what memcheck is for).
 KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10")

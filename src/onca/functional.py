@@ -13,6 +13,7 @@ from onca.ops.rms_norm import rms_norm
 from onca.ops.dyt import dyt
 from onca.ops.poly_norm import poly_norm
 from onca.ops.modulated_rms_norm import modulated_rms_norm
+from onca.ops.group_norm import group_norm
 
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
@@ -50,4 +51,5 @@ __all__ = [
     "dyt",
     "poly_norm",
     "modulated_rms_norm",
+    "group_norm",
 ]

@@ -7,6 +7,7 @@ from onca.nn.embedding import Embedding
 from onca.nn.fused_add_rms_norm import FusedAddRMSNorm
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from onca.nn.fused_linear_jsd import FusedLinearJSD
+from onca.nn.group_norm import GroupNorm
 from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
@@ -31,4 +32,5 @@ __all__ = [
     "DyT",
     "PolyNorm",
     "ModulatedRMSNorm",
+    "GroupNorm",
 ]
