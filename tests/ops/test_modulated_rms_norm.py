@@ -74,15 +74,21 @@ def check(x, w, s, sh, eps=1e-6, offset=0.0, casting="llama", overwrite_grad_out
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("casting", CASTINGS)
-def test_matches_reference(profile, device, dtype, casting):
+def test_matches_reference(profile, device, dtype):
+    check(*make(BASE_SHAPE, dtype, device), eps=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("casting", ["gemma", "none"])
+def test_casting_modes(device, dtype, casting):
     offset = 1.0 if casting == "gemma" else 0.0
     check(*make(BASE_SHAPE, dtype, device, offset=offset), eps=1e-5, offset=offset, casting=casting)
 
 
-@pytest.mark.parametrize("layout", ["global", "batch", "batch3d", "token"])
-@pytest.mark.parametrize("shift, weight", [(True, True), (False, False)], ids=["shift-weight", "bare"])
-def test_modulation_layouts(profile, device, layout, shift, weight):
+@pytest.mark.parametrize("layout, shift, weight", [("global", True, False), ("batch", False, True),
+                                                   ("batch3d", True, True), ("token", True, True),
+                                                   ("token", False, False)])
+def test_modulation_layouts(device, layout, shift, weight):
     check(*make(BASE_SHAPE, torch.bfloat16, device, layout, shift, weight))
 
 
@@ -101,12 +107,12 @@ def test_grouping_with_few_rows_per_modulation(device):
 
 
 @pytest.mark.parametrize("how", ["rows", "cols"])
-def test_non_contiguous_inputs(profile, device, how):
+def test_non_contiguous_inputs(device, how):
     x, w, s, sh = make(BASE_SHAPE, torch.float32, device)
     check(non_contiguous(x, how), w, non_contiguous(s, how), non_contiguous(sh, how))
 
 
-@pytest.mark.parametrize("layout", ["global", "batch", "token"])
+@pytest.mark.parametrize("layout", ["batch", "token"])
 def test_column_tiled_path(profile, device, onchip_bytes, layout):
     forced = onchip_bytes(16384)
     cols = 600 if SCALE == "cpu" else 8192
@@ -176,9 +182,8 @@ def test_empty_input(device, shape):
     assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (w, s, sh))
 
 
-@pytest.mark.parametrize("layout", ["batch", "token"])
-def test_op_contract(device, layout):
+def test_op_contract(device):
     """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation."""
-    tensors = [t.requires_grad_() for t in make((3, 5, 48), torch.bfloat16, device, layout)]
+    tensors = [t.requires_grad_() for t in make((3, 5, 48), torch.bfloat16, device, "batch")]
     assert_op_contract(modulated_rms_norm, tuple(tensors),
                        expect_ops={"modulated_rms_norm_forward", "modulated_rms_norm_backward"})
