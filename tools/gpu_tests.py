@@ -40,9 +40,12 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
+    "10": ("tests/ops/test_dyt.py", "tests/nn/test_dyt.py", "tests/ops/test_poly_norm.py", "tests/nn/test_poly_norm.py",
+           "tests/ops/test_modulated_rms_norm.py", "tests/nn/test_modulated_rms_norm.py",
+           "tests/ops/test_group_norm.py", "tests/nn/test_group_norm.py"),  # issue 16's norms
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

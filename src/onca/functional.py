@@ -10,6 +10,10 @@ from __future__ import annotations
 from onca.ops.fused_add_rms_norm import fused_add_rms_norm
 from onca.ops.layer_norm import layer_norm
 from onca.ops.rms_norm import rms_norm
+from onca.ops.dyt import dyt
+from onca.ops.poly_norm import poly_norm
+from onca.ops.modulated_rms_norm import modulated_rms_norm
+from onca.ops.group_norm import group_norm
 
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
@@ -44,4 +48,8 @@ __all__ = [
     "kl_div",
     "jsd",
     "fused_linear_jsd",
+    "dyt",
+    "poly_norm",
+    "modulated_rms_norm",
+    "group_norm",
 ]

@@ -2,14 +2,18 @@
 
 from onca.nn.attn_res import AttnRes
 from onca.nn.cross_entropy import CrossEntropyLoss
+from onca.nn.dyt import DyT
 from onca.nn.embedding import Embedding
 from onca.nn.fused_add_rms_norm import FusedAddRMSNorm
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from onca.nn.fused_linear_jsd import FusedLinearJSD
+from onca.nn.group_norm import GroupNorm
 from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
+from onca.nn.modulated_rms_norm import ModulatedRMSNorm
+from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
 
 __all__ = [
@@ -25,4 +29,8 @@ __all__ = [
     "KLDivLoss",
     "JSD",
     "FusedLinearJSD",
+    "DyT",
+    "PolyNorm",
+    "ModulatedRMSNorm",
+    "GroupNorm",
 ]
