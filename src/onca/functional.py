@@ -19,6 +19,7 @@ from onca.ops.swiglu import swiglu, swiglu_linear
 from onca.ops.attn_res import attn_res
 from onca.ops.embedding import embedding
 from onca.ops.rope import rotary_pos_emb
+from onca.ops.multimodal_rope import multimodal_rope
 
 # Losses
 from onca.ops.cross_entropy import CrossEntropyOutput, cross_entropy
@@ -36,6 +37,7 @@ __all__ = [
     "swiglu_linear",
     "geglu_linear",
     "rotary_pos_emb",
+    "multimodal_rope",
     "embedding",
     "attn_res",
     "cross_entropy",
