@@ -20,6 +20,7 @@ from onca.ops.attn_res import attn_res
 from onca.ops.embedding import embedding
 from onca.ops.rope import rotary_pos_emb
 from onca.ops.multimodal_rope import multimodal_rope
+from onca.ops.llama4_rope import llama4_rope
 
 # Losses
 from onca.ops.cross_entropy import CrossEntropyOutput, cross_entropy
@@ -38,6 +39,7 @@ __all__ = [
     "geglu_linear",
     "rotary_pos_emb",
     "multimodal_rope",
+    "llama4_rope",
     "embedding",
     "attn_res",
     "cross_entropy",
