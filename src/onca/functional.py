@@ -28,6 +28,7 @@ from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from onca.ops.fused_linear_jsd import fused_linear_jsd
 from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
+from onca.ops.grpo_loss import grpo_loss
 
 __all__ = [
     "rms_norm",
@@ -48,4 +49,5 @@ __all__ = [
     "kl_div",
     "jsd",
     "fused_linear_jsd",
+    "grpo_loss",
 ]
