@@ -14,6 +14,7 @@ from onca.ops.rms_norm import rms_norm
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
 from onca.ops.swiglu import swiglu, swiglu_linear
+from onca.ops.tiled_mlp import tiled_mlp
 
 # Position and embedding
 from onca.ops.attn_res import attn_res
@@ -38,6 +39,7 @@ __all__ = [
     "geglu",
     "swiglu_linear",
     "geglu_linear",
+    "tiled_mlp",
     "rotary_pos_emb",
     "multimodal_rope",
     "llama4_rope",

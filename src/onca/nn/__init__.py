@@ -11,6 +11,7 @@ from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.rms_norm import RMSNorm
+from onca.nn.tiled_mlp import TiledGeGLUMLP, TiledSwiGLUMLP
 
 __all__ = [
     "RMSNorm",
@@ -25,4 +26,6 @@ __all__ = [
     "KLDivLoss",
     "JSD",
     "FusedLinearJSD",
+    "TiledSwiGLUMLP",
+    "TiledGeGLUMLP",
 ]
