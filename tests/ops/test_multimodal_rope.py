@@ -23,8 +23,7 @@ multimodal_rope = onca.functional.multimodal_rope
 SHAPES = {
     "cpu": [
         (2, 5, 4, 2, 32, (4, 6, 6)),  # GQA, Qwen2-VL's proportions at head_dim 32
-        (1, 3, 3, 3, 24, (2, 3, 3)),  # non-power-of-two half (12), odd head count
-        (2, 4, 2, 1, 48, (4, 4, 4)),  # partial rotary: rotary_dim 24 of 48
+        (2, 4, 3, 1, 48, (2, 5, 5)),  # partial rotary (24 of 48), non-power-of-two half (12), odd heads
     ],
     "gpu": [
         (4, 2048, 28, 4, 128, (16, 24, 24)),  # Qwen2.5-VL-7B
