@@ -18,11 +18,14 @@ from onca.ops.group_norm import group_norm
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
 from onca.ops.swiglu import swiglu, swiglu_linear
+from onca.ops.tiled_mlp import tiled_mlp
 
 # Position and embedding
 from onca.ops.attn_res import attn_res
 from onca.ops.embedding import embedding
 from onca.ops.rope import rotary_pos_emb
+from onca.ops.multimodal_rope import multimodal_rope
+from onca.ops.llama4_rope import llama4_rope
 
 # Losses
 from onca.ops.cross_entropy import CrossEntropyOutput, cross_entropy
@@ -30,6 +33,7 @@ from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from onca.ops.fused_linear_jsd import fused_linear_jsd
 from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
+from onca.ops.grpo_loss import grpo_loss
 
 __all__ = [
     "rms_norm",
@@ -39,7 +43,10 @@ __all__ = [
     "geglu",
     "swiglu_linear",
     "geglu_linear",
+    "tiled_mlp",
     "rotary_pos_emb",
+    "multimodal_rope",
+    "llama4_rope",
     "embedding",
     "attn_res",
     "cross_entropy",
@@ -52,4 +59,5 @@ __all__ = [
     "poly_norm",
     "modulated_rms_norm",
     "group_norm",
+    "grpo_loss",
 ]

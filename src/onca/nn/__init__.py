@@ -15,6 +15,7 @@ from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.modulated_rms_norm import ModulatedRMSNorm
 from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
+from onca.nn.tiled_mlp import TiledGeGLUMLP, TiledSwiGLUMLP
 
 __all__ = [
     "RMSNorm",
@@ -33,4 +34,6 @@ __all__ = [
     "PolyNorm",
     "ModulatedRMSNorm",
     "GroupNorm",
+    "TiledSwiGLUMLP",
+    "TiledGeGLUMLP",
 ]
