@@ -40,9 +40,10 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
+    "moe-attn": ("tests/ops/test_fused_moe.py", "tests/nn/test_fused_moe.py"),  # MoE and attention-side ops
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "moe-attn")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

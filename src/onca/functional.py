@@ -15,6 +15,9 @@ from onca.ops.rms_norm import rms_norm
 from onca.ops.geglu import geglu, geglu_linear
 from onca.ops.swiglu import swiglu, swiglu_linear
 
+# Mixture of experts
+from onca.ops.fused_moe import fused_moe
+
 # Position and embedding
 from onca.ops.attn_res import attn_res
 from onca.ops.embedding import embedding
@@ -44,4 +47,5 @@ __all__ = [
     "kl_div",
     "jsd",
     "fused_linear_jsd",
+    "fused_moe",
 ]

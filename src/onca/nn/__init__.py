@@ -6,6 +6,7 @@ from onca.nn.embedding import Embedding
 from onca.nn.fused_add_rms_norm import FusedAddRMSNorm
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from onca.nn.fused_linear_jsd import FusedLinearJSD
+from onca.nn.fused_moe import MoEExperts
 from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
@@ -25,4 +26,5 @@ __all__ = [
     "KLDivLoss",
     "JSD",
     "FusedLinearJSD",
+    "MoEExperts",
 ]

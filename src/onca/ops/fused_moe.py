@@ -45,6 +45,8 @@ Routing weights may be fp32 (Mixtral) or the input dtype (Qwen3-MoE); their grad
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -101,6 +103,14 @@ def _gated(g, u, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr, WI
 
 
 @triton.jit
+def _dot(a, b, acc, DTYPE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``acc + a @ b`` with operands in ``DTYPE`` (fp32 ones, multiplied in full fp32, if ``DOT_FP32``)."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a.to(DTYPE), b.to(DTYPE), acc)
+
+
+@triton.jit
 def _expert_tile(pid_m, info_ptr, n_experts, BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr):
     """``(expert, first row, end row)`` of row tile ``pid_m``; ``expert == n_experts`` past the last
     tile. ``info`` holds each expert's end row, then each expert's end tile (prefix sums)."""
@@ -129,7 +139,7 @@ def _moe_gemm_kernel(
     GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -179,10 +189,10 @@ def _moe_gemm_kernel(
             wk = k.to(tl.int64)[:, None] * w_stride_k
             wmask = k_mask[:, None] & col_mask[None, :]
             w = tl.load(w_e + wk + w_rows_g[None, :] * w_stride_n, mask=wmask, other=0.0)
-            acc = tl.dot(a.to(DTYPE), w, acc, input_precision=DOT_PRECISION)
+            acc = _dot(a, w, acc, DTYPE, DOT_FP32)
             if MODE == 0:
                 w2 = tl.load(w_e + wk + w_rows_u[None, :] * w_stride_n, mask=wmask, other=0.0)
-                acc_u = tl.dot(a.to(DTYPE), w2, acc_u, input_precision=DOT_PRECISION)
+                acc_u = _dot(a, w2, acc_u, DTYPE, DOT_FP32)
         mask = row_mask[:, None] & col_mask[None, :]
         if MODE == 0:
             g = acc.to(DTYPE).to(tl.float32)
@@ -233,7 +243,7 @@ def _moe_weight_grad_kernel(
     WGRAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -280,7 +290,7 @@ def _moe_weight_grad_kernel(
             lt = tl.load(l_ptr + rows64[:, None] * l_row_stride + ns[None, :], mask=lmask, other=0.0)
             lt = lt.to(tl.float32)
             rt = tl.load(r_ptr + tokens[:, None] * r_row_stride + ks[None, :], mask=rmask, other=0.0)
-        acc = tl.dot(tl.trans(lt.to(DTYPE)), rt.to(DTYPE), acc, input_precision=DOT_PRECISION)
+        acc = _dot(tl.trans(lt.to(DTYPE)), rt, acc, DTYPE, DOT_FP32)
         if HAS_BIAS:
             bias_acc += tl.sum(lt, axis=0)
     e64 = e.to(tl.int64)
@@ -352,9 +362,11 @@ def _gate_columns(layout: int, i: int) -> tuple[int, int]:
     return (1, i) if layout == 0 else (2, 1)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 operands multiply in full fp32 (as torch's matmul does by default), not TF32.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` takes fp32 operands: for fp32 inputs (multiplied in full fp32, as torch's
+    matmul does by default, not TF32), and under Triton's interpreter, whose ``tl.dot`` cannot
+    multiply bf16/fp16 (an exact upcast there: the products and sums are the same)."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _row_plan(pairs: int, n_experts: int, h: int, i: int, dtype: torch.dtype,
@@ -426,7 +438,7 @@ def _gemm(mode: int, a: Tensor, order: Tensor, w: Tensor, w_nk, bias: Tensor | N
         out.stride(0), act_.stride(0), pre_.stride(0), part.stride(0),
         gate_cols[0], gate_cols[1], alpha, limit,
         MODE=mode, GATHER=gather, HAS_BIAS=bias is not None, ACTIVATION=activation,
-        DOT_PRECISION=_dot_precision(w.dtype), BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+        DOT_FP32=_dot_fp32(w.dtype), BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         E_BLOCK=next_power_of_2(n_experts), num_warps=p.num_warps, num_stages=p.num_stages,
     )
 
@@ -461,7 +473,7 @@ def _weight_grad(mode: int, lhs: Tensor, rhs: Tensor, order: Tensor, weights: Te
         lhs.stride(0), rhs.stride(0), *dw_nk, bias.stride(0),
         gate_cols[0], gate_cols[1], alpha, limit,
         WGRAD=mode, HAS_BIAS=db is not None, ACTIVATION=activation,
-        DOT_PRECISION=_dot_precision(rhs.dtype), BLOCK_M=p.block_k, BLOCK_N=p.block_m, BLOCK_K=p.block_n,
+        DOT_FP32=_dot_fp32(rhs.dtype), BLOCK_M=p.block_k, BLOCK_N=p.block_m, BLOCK_K=p.block_n,
         num_warps=p.num_warps, num_stages=p.num_stages,
     )
 
