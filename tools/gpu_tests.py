@@ -40,7 +40,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
-    "moe-attn": ("tests/ops/test_fused_moe.py", "tests/nn/test_fused_moe.py"),  # MoE and attention-side ops
+    "moe-attn": ("tests/ops/test_fused_moe.py", "tests/nn/test_fused_moe.py", "tests/ops/test_mhc.py",
+                 "tests/nn/test_mhc.py"),  # MoE and attention-side ops
 }
 # Shards whose tests run kernels (what memcheck is for).
 KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "moe-attn")

@@ -18,6 +18,9 @@ from onca.ops.swiglu import swiglu, swiglu_linear
 # Mixture of experts
 from onca.ops.fused_moe import fused_moe
 
+# Hyper-connections
+from onca.ops.mhc import mhc, mhc_coeffs, mhc_post_res, mhc_pre
+
 # Position and embedding
 from onca.ops.attn_res import attn_res
 from onca.ops.embedding import embedding
@@ -48,4 +51,8 @@ __all__ = [
     "jsd",
     "fused_linear_jsd",
     "fused_moe",
+    "mhc",
+    "mhc_coeffs",
+    "mhc_pre",
+    "mhc_post_res",
 ]

@@ -10,6 +10,7 @@ from onca.nn.fused_moe import MoEExperts
 from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
+from onca.nn.mhc import MHC
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.rms_norm import RMSNorm
 
@@ -27,4 +28,5 @@ __all__ = [
     "JSD",
     "FusedLinearJSD",
     "MoEExperts",
+    "MHC",
 ]
