@@ -45,9 +45,11 @@ SHARDS: dict[str, tuple[str, ...]] = {
     "10": ("tests/ops/test_dyt.py", "tests/nn/test_dyt.py", "tests/ops/test_poly_norm.py", "tests/nn/test_poly_norm.py",
            "tests/ops/test_modulated_rms_norm.py", "tests/nn/test_modulated_rms_norm.py",
            "tests/ops/test_group_norm.py", "tests/nn/test_group_norm.py"),  # issue 16's norms
+    "11": ("tests/ops/test_fused_moe.py", "tests/nn/test_fused_moe.py", "tests/ops/test_mhc.py",
+           "tests/nn/test_mhc.py"),  # MoE and attention-side ops
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

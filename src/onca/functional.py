@@ -20,6 +20,12 @@ from onca.ops.geglu import geglu, geglu_linear
 from onca.ops.swiglu import swiglu, swiglu_linear
 from onca.ops.tiled_mlp import tiled_mlp
 
+# Mixture of experts
+from onca.ops.fused_moe import fused_moe
+
+# Hyper-connections
+from onca.ops.mhc import mhc, mhc_coeffs, mhc_post_res, mhc_pre
+
 # Position and embedding
 from onca.ops.attn_res import attn_res
 from onca.ops.embedding import embedding
@@ -60,4 +66,9 @@ __all__ = [
     "modulated_rms_norm",
     "group_norm",
     "grpo_loss",
+    "fused_moe",
+    "mhc",
+    "mhc_coeffs",
+    "mhc_pre",
+    "mhc_post_res",
 ]

@@ -8,9 +8,11 @@ from onca.nn.fused_add_rms_norm import FusedAddRMSNorm
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from onca.nn.fused_linear_jsd import FusedLinearJSD
 from onca.nn.group_norm import GroupNorm
+from onca.nn.fused_moe import MoEExperts
 from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
+from onca.nn.mhc import MHC
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.modulated_rms_norm import ModulatedRMSNorm
 from onca.nn.poly_norm import PolyNorm
@@ -36,4 +38,6 @@ __all__ = [
     "GroupNorm",
     "TiledSwiGLUMLP",
     "TiledGeGLUMLP",
+    "MoEExperts",
+    "MHC",
 ]
