@@ -207,17 +207,28 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 
 def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
-    """``out = h @ weight.T + bias`` (``out`` a scratch slice in the input dtype)."""
-    if bias is None:
-        return torch.mm(h, weight.t(), out=out)
-    return torch.addmm(bias, h, weight.t(), out=out)
+    """``out = h @ weight.T + bias`` (``out`` a scratch slice: the input dtype, or fp32 for
+    bf16/fp16 operands, then without rounding the product where torch can)."""
+    if out.dtype == h.dtype:
+        if bias is None:
+            return torch.mm(h, weight.t(), out=out)
+        return torch.addmm(bias, h, weight.t(), out=out)
+    if has_fp32_out_dtype(h.device.type, h.dtype):
+        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    elif h.device.type == "cpu":
+        torch.mm(h.float(), weight.t().float(), out=out)
+    else:
+        out.copy_(torch.mm(h, weight.t()))
+    if bias is not None:
+        out += bias
+    return out
 
 
 def accumulate_dw(dw: Tensor, g: Tensor, h: Tensor) -> None:
     """``dw += g.T @ h`` with ``dw`` fp32 (or the weight's own fp32): without rounding the product
     to the inputs' dtype where torch can (CUDA's fp32-output matmul; upcast operands on the CPU)."""
     if g.dtype == dw.dtype:
-        dw.addmm_(g.t(), h)
+        dw.addmm_(g.t(), h.to(g.dtype))
     elif has_fp32_out_dtype(dw.device.type, g.dtype):
         torch.addmm(dw, g.t(), h, out_dtype=torch.float32, out=dw)
     elif dw.device.type == "cpu":
@@ -227,24 +238,28 @@ def accumulate_dw(dw: Tensor, g: Tensor, h: Tensor) -> None:
 
 
 def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: ChunkPlan, visit, *,
-               dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None) -> None:
+               dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None,
+               logits_dtype: torch.dtype | None = None) -> None:
     """Run the chunks of consecutive tokens of the 2-D ``hidden``: each chunk's logits by one matmul
-    into a reused scratch, then ``visit(logits, start, end)``, which reads them and, when any of
-    ``dx``/``dw``/``db`` is given, leaves ``dLoss/dLogits`` in their place (zero rows for tokens
-    that take no gradient); then ``dx[chunk] = g @ W``, ``dw += g.T @ h``, ``db += g.sum(0)``."""
+    into a reused scratch (``logits_dtype``, default the input dtype), then ``visit(logits, start,
+    end)``, which reads them and, when any of ``dx``/``dw``/``db`` is given, returns
+    ``dLoss/dLogits`` in the input dtype (usually written over the logits themselves; ``None``
+    means the logits buffer holds it), zero rows for tokens that take no gradient; then
+    ``dx[chunk] = g @ W``, ``dw += g.T @ h``, ``db += g.sum(0)``."""
     vocab = weight.shape[0]
-    scratch = torch.empty((chunks.chunk, vocab), dtype=hidden.dtype, device=hidden.device)
+    scratch = torch.empty((chunks.chunk, vocab), dtype=logits_dtype or hidden.dtype, device=hidden.device)
     for index in range(chunks.n_chunks):
         start, end = chunks.bounds(index)
         h = hidden[start:end]
         logits = head_logits(h, weight, bias, scratch[: end - start])
-        visit(logits, start, end)
+        g = visit(logits, start, end)
+        g = logits if g is None else g
         if dx is not None:
-            torch.mm(logits, weight, out=dx[start:end])
+            torch.mm(g, weight, out=dx[start:end])
         if dw is not None:
-            accumulate_dw(dw, logits, h)
+            accumulate_dw(dw, g, h)
         if db is not None:
-            db += logits.sum(dim=0, dtype=torch.float32)
+            db += g.sum(dim=0, dtype=torch.float32)
 
 
 def _launch_stats(logits, target, logp, lse, ent, ignore_index, temperature) -> None:
