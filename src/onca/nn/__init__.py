@@ -11,6 +11,15 @@ from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.rms_norm import RMSNorm
+from onca.nn.posttrain import (
+    FusedLinearCPOLoss,
+    FusedLinearDistillLoss,
+    FusedLinearDPOLoss,
+    FusedLinearGRPOLoss,
+    FusedLinearKTOLoss,
+    FusedLinearORPOLoss,
+    FusedLinearSimPOLoss,
+)
 
 __all__ = [
     "RMSNorm",
@@ -25,4 +34,11 @@ __all__ = [
     "KLDivLoss",
     "JSD",
     "FusedLinearJSD",
+    "FusedLinearDPOLoss",
+    "FusedLinearSimPOLoss",
+    "FusedLinearORPOLoss",
+    "FusedLinearCPOLoss",
+    "FusedLinearKTOLoss",
+    "FusedLinearGRPOLoss",
+    "FusedLinearDistillLoss",
 ]
