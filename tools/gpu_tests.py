@@ -40,9 +40,15 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
+    "10": (  # post-training losses on the chunk driver
+        "tests/ops/test_chunked_head.py", "tests/ops/test_fused_linear_dpo.py", "tests/ops/test_fused_linear_simpo.py",
+        "tests/ops/test_fused_linear_orpo.py", "tests/ops/test_fused_linear_cpo.py",
+        "tests/ops/test_fused_linear_kto.py", "tests/ops/test_fused_linear_grpo.py",
+        "tests/ops/test_fused_linear_distill.py", "tests/nn/test_posttrain.py",
+    ),
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:
