@@ -8,8 +8,8 @@ import torch
 
 from onca.ops._chunked_head import chunk_plan, chunked_logprobs, plan
 from tests.contract import assert_op_contract
-from tests.helpers import SCALE, assert_close, leaf, non_contiguous, randn
-from tests.ops.posttrain_reference import BASE, CHUNK, IGNORE, SHAPES, make_inputs, reference_logps
+from tests.helpers import assert_close, leaf, non_contiguous, randn
+from tests.ops.posttrain_reference import BASE, CHUNK, SHAPES, make_inputs, reference_logps
 
 
 def check(hidden, weight, bias, labels, temperature=1.0, entropy=True, chunk_tokens=CHUNK):
@@ -18,7 +18,7 @@ def check(hidden, weight, bias, labels, temperature=1.0, entropy=True, chunk_tok
     bk = leaf(bias) if bias is not None else None
     logp, ent = chunked_logprobs(hk, wk, labels, bk, temperature=temperature, entropy=entropy,
                                  chunk_tokens=chunk_tokens)
-    per, ref_ent, mask, (h64, w64, b64) = reference_logps(hidden, weight, bias, labels, temperature)
+    per, ref_ent, _, (h64, w64, b64) = reference_logps(hidden, weight, bias, labels, temperature)
     assert logp.dtype == torch.float32 and logp.shape == labels.shape
     # The log-probabilities are fp32 from the (rounded) logits: judged at fp32 precision.
     assert_close(logp, per, torch.float32, "logp")

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from onca.ops.fused_linear_cpo import fused_linear_cpo
-from tests.ops.posttrain_reference import BASE, CHUNK, IGNORE, assert_loss_contract, check_against, logps64, make_inputs
+from tests.ops.posttrain_reference import (
+    BASE,
+    CHUNK,
+    IGNORE,
+    assert_loss_contract,
+    check_against,
+    logps64,
+    make_inputs,
+)
 
 
 def reference_cpo(pi, mask, loss_type, beta, gamma=0.5, ls=0.0, nll_weight=1.0):
@@ -30,9 +38,9 @@ def reference_cpo(pi, mask, loss_type, beta, gamma=0.5, ls=0.0, nll_weight=1.0):
 def run(dtype, device, loss_type, beta=0.1, ls=0.0, nll_weight=1.0, bias=False, shape=BASE, empty_row=None,
         chunk_tokens=CHUNK):
     h, w, b, labels = make_inputs(shape, dtype, device, bias=bias, empty_row=empty_row)
-    fn = lambda h_, w_, b_: fused_linear_cpo(h_, w_, labels, bias=b_, beta=beta, loss_type=loss_type,  # noqa: E731
+    fn = lambda h_, w_, b_: fused_linear_cpo(h_, w_, labels, bias=b_, beta=beta, loss_type=loss_type,
                                              label_smoothing=ls, nll_weight=nll_weight, chunk_tokens=chunk_tokens)
-    ref = lambda h64, w64, b64: reference_cpo(logps64(h64, w64, b64, labels, dtype),  # noqa: E731
+    ref = lambda h64, w64, b64: reference_cpo(logps64(h64, w64, b64, labels, dtype),
                                               labels != IGNORE, loss_type, beta, ls=ls, nll_weight=nll_weight)
     return check_against(fn, ref, h, w, b, labels, name=loss_type)
 
@@ -50,7 +58,7 @@ def test_loss_types(device, loss_type):
 
 def test_aux_and_bad_input(device):
     h, w, _, labels = make_inputs(BASE, torch.float32, device)
-    loss, aux = fused_linear_cpo(h, w, labels, beta=0.3, return_aux=True)
+    _, aux = fused_linear_cpo(h, w, labels, beta=0.3, return_aux=True)
     pi = logps64(h.double(), w.double(), None, labels, torch.float32).sum(-1)
     torch.testing.assert_close(aux["rejected_rewards"].double(), 0.3 * pi[2:], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="loss_type"):
@@ -63,5 +71,5 @@ def test_aux_and_bad_input(device):
 
 def test_op_contract(device):
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
-    fn = lambda h, w, labels: fused_linear_cpo(h, w, labels, loss_type="simpo", chunk_tokens=4)  # noqa: E731
+    fn = lambda h, w, labels: fused_linear_cpo(h, w, labels, loss_type="simpo", chunk_tokens=4)
     assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels))

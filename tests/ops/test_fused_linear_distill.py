@@ -98,7 +98,7 @@ def test_op_contract(device):
         randn(24, 6, device=device)
     labels = torch.randint(0, 24, (6,), device=device)
     labels[1] = IGNORE
-    fn = lambda sh, sw, th, tw, labels: fused_linear_distill(  # noqa: E731
+    fn = lambda sh, sw, th, tw, labels: fused_linear_distill(
         sh, sw, th, tw, labels, divergence="jsd", temperature=2.0, weight_hard_loss=0.5, weight_soft_loss=0.5,
         chunk_tokens=4)
     assert_op_contract(fn, (sh.requires_grad_(), sw.requires_grad_(), th, tw, labels),

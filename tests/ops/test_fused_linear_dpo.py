@@ -66,10 +66,10 @@ def run(dtype, device, loss_type="sigmoid", beta=0.1, ls=0.0, nll_weight=0.0, bi
     kwargs = dict(beta=beta, loss_type=loss_type, label_smoothing=ls, nll_weight=nll_weight, chunk_tokens=chunk_tokens)
     if precomputed:
         sums = ref.sum(-1).float()
-        fn = lambda h_, w_, b_: fused_linear_dpo(h_, w_, labels, bias=b_, ref_chosen_logps=sums[:n],  # noqa: E731
+        fn = lambda h_, w_, b_: fused_linear_dpo(h_, w_, labels, bias=b_, ref_chosen_logps=sums[:n],
                                                  ref_rejected_logps=sums[n:], **kwargs)
     else:
-        fn = lambda h_, w_, b_: fused_linear_dpo(h_, w_, labels, rh, rw, bias=b_, **kwargs)  # noqa: E731
+        fn = lambda h_, w_, b_: fused_linear_dpo(h_, w_, labels, rh, rw, bias=b_, **kwargs)
 
     def reference(h64, w64, b64):
         pi = logps64(h64, w64, b64, labels, dtype)
@@ -97,7 +97,7 @@ def test_precomputed_reference_one_pair(device):
 def test_aux(device):
     h, w, _, labels = make_inputs(BASE, torch.float32, device)
     rh, rw = h + 0.1 * torch.randn_like(h), w.clone()
-    loss, aux = fused_linear_dpo(h, w, labels, rh, rw, beta=0.2, return_aux=True)
+    _, aux = fused_linear_dpo(h, w, labels, rh, rw, beta=0.2, return_aux=True)
     pi = logps64(h.double(), w.double(), None, labels, torch.float32).sum(-1)
     ref = logps64(rh.double(), rw.double(), None, labels, torch.float32).sum(-1)
     n = h.shape[0] // 2

@@ -7,7 +7,15 @@ import torch
 
 from onca.ops.fused_linear_grpo import LOSS_TYPES, fused_linear_grpo
 from tests.helpers import randn
-from tests.ops.posttrain_reference import BASE, CHUNK, IGNORE, assert_loss_contract, check_against, logps64, make_inputs
+from tests.ops.posttrain_reference import (
+    BASE,
+    CHUNK,
+    IGNORE,
+    assert_loss_contract,
+    check_against,
+    logps64,
+    make_inputs,
+)
 
 
 def reference_grpo(logp, old, ref, adv, mask, loss_type, beta, eps_low, eps_high, level="token", delta=None,
@@ -46,11 +54,11 @@ def run(dtype, device, loss_type, beta=0.0, level="token", delta=None, shape=BAS
     rh = h + 0.2 * randn(*h.shape, dtype=dtype, device=device)
     ref = logps64(rh.double(), w.double(), None, labels, dtype, temperature).detach()
     kw = dict(ref_hidden=rh, ref_weight=w) if ref_from_hidden else dict(ref_logps=ref.float() if beta else None)
-    fn = lambda h_, w_, b_: fused_linear_grpo(  # noqa: E731
+    fn = lambda h_, w_, b_: fused_linear_grpo(
         h_, w_, labels, adv, old.float(), bias=b_, beta=beta, epsilon_low=0.2, epsilon_high=0.28, delta=delta,
         loss_type=loss_type, importance_sampling_level=level, temperature=temperature, chunk_tokens=chunk_tokens,
         **kw)
-    reference = lambda h64, w64, b64: reference_grpo(  # noqa: E731
+    reference = lambda h64, w64, b64: reference_grpo(
         logps64(h64, w64, b64, labels, dtype, temperature), old, ref, adv.double(), mask, loss_type, beta, 0.2,
         0.28, level, delta)
     return check_against(fn, reference, h, w, b, labels, name=loss_type)
@@ -102,5 +110,5 @@ def test_bad_input(device):
 def test_op_contract(device):
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
     adv, old, ref = torch.randn(2), torch.randn(2, 5) - 3, torch.randn(2, 5) - 3
-    fn = lambda h, w, labels: fused_linear_grpo(h, w, labels, adv, old, ref, beta=0.04, chunk_tokens=4)  # noqa: E731
+    fn = lambda h, w, labels: fused_linear_grpo(h, w, labels, adv, old, ref, beta=0.04, chunk_tokens=4)
     assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels))

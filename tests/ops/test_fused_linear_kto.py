@@ -7,7 +7,14 @@ import torch
 
 from onca.ops.fused_linear_kto import fused_linear_kto
 from tests.helpers import randn
-from tests.ops.posttrain_reference import BASE, CHUNK, assert_loss_contract, check_against, logps64, make_inputs
+from tests.ops.posttrain_reference import (
+    BASE,
+    CHUNK,
+    assert_loss_contract,
+    check_against,
+    logps64,
+    make_inputs,
+)
 
 
 def reference_kto(pi, ref, desirable, kl, loss_type, beta, dw=1.0, uw=1.0):
@@ -37,10 +44,10 @@ def run(dtype, device, loss_type="kto", kl_mode="hidden", bias=False, shape=BASE
                   - logps64(rkh.double(), rw.double(), None, kl_labels, dtype).sum(-1)).mean().clamp(min=0)
     else:
         kw, kl = dict(kl=0.4), torch.tensor(0.4, dtype=torch.float64)
-    fn = lambda h_, w_, b_: fused_linear_kto(h_, w_, labels, desirable, rh, rw, bias=b_, beta=0.3,  # noqa: E731
+    fn = lambda h_, w_, b_: fused_linear_kto(h_, w_, labels, desirable, rh, rw, bias=b_, beta=0.3,
                                              desirable_weight=1.0, undesirable_weight=1.5, loss_type=loss_type,
                                              chunk_tokens=chunk_tokens, **kw)
-    reference = lambda h64, w64, b64: reference_kto(logps64(h64, w64, b64, labels, dtype), ref,  # noqa: E731
+    reference = lambda h64, w64, b64: reference_kto(logps64(h64, w64, b64, labels, dtype), ref,
                                                     desirable, kl, loss_type, 0.3, 1.0, 1.5)
     return check_against(fn, reference, h, w, b, labels, name=loss_type)
 
@@ -87,6 +94,6 @@ def test_op_contract(device):
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
     rh = randn(2, 5, 8, device=device)
     flags = torch.tensor([True, False], device=device)
-    fn = lambda h, w, labels, rh: fused_linear_kto(h, w, labels, flags, rh, w.detach(), kl_hidden=rh,  # noqa: E731
+    fn = lambda h, w, labels, rh: fused_linear_kto(h, w, labels, flags, rh, w.detach(), kl_hidden=rh,
                                                    ref_kl_hidden=h.detach(), kl_labels=labels, chunk_tokens=4)
     assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels, rh))

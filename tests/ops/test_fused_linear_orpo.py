@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from onca.ops.fused_linear_orpo import fused_linear_orpo
-from tests.ops.posttrain_reference import BASE, CHUNK, IGNORE, assert_loss_contract, check_against, logps64, make_inputs
+from tests.ops.posttrain_reference import (
+    BASE,
+    CHUNK,
+    IGNORE,
+    assert_loss_contract,
+    check_against,
+    logps64,
+    make_inputs,
+)
 
 
 def log1mexp(x):
@@ -27,16 +35,16 @@ def reference_orpo(pi, mask, beta, nll_weight=1.0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matches_reference(profile, device, dtype):
     h, w, b, labels = make_inputs(BASE, dtype, device, bias=True)
-    fn = lambda h_, w_, b_: fused_linear_orpo(h_, w_, labels, bias=b_, beta=0.5, chunk_tokens=CHUNK)  # noqa: E731
-    ref = lambda h64, w64, b64: reference_orpo(logps64(h64, w64, b64, labels, dtype), labels != IGNORE, 0.5)  # noqa: E731
+    fn = lambda h_, w_, b_: fused_linear_orpo(h_, w_, labels, bias=b_, beta=0.5, chunk_tokens=CHUNK)
+    ref = lambda h64, w64, b64: reference_orpo(logps64(h64, w64, b64, labels, dtype), labels != IGNORE, 0.5)
     check_against(fn, ref, h, w, b, labels)
 
 
 def test_empty_sequence_one_pair(device):
     """A rejected sequence with every label ignored: its pair has no odds term (finite gradients)."""
     h, w, _, labels = make_inputs((2, 7, 12, 97), torch.float32, device, empty_row=1)
-    fn = lambda h_, w_, b_: fused_linear_orpo(h_, w_, labels, beta=1.0, nll_weight=0.3)  # noqa: E731
-    ref = lambda h64, w64, b64: reference_orpo(logps64(h64, w64, None, labels, torch.float32),  # noqa: E731
+    fn = lambda h_, w_, b_: fused_linear_orpo(h_, w_, labels, beta=1.0, nll_weight=0.3)
+    ref = lambda h64, w64, b64: reference_orpo(logps64(h64, w64, None, labels, torch.float32),
                                                labels != IGNORE, 1.0, 0.3)
     check_against(fn, ref, h, w, None, labels)
 
@@ -58,5 +66,5 @@ def test_aux_and_bad_input(device):
 
 def test_op_contract(device):
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
-    fn = lambda h, w, labels: fused_linear_orpo(h, w, labels, chunk_tokens=4)  # noqa: E731
+    fn = lambda h, w, labels: fused_linear_orpo(h, w, labels, chunk_tokens=4)
     assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels))

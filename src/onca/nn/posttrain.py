@@ -15,8 +15,15 @@ from onca.ops.fused_linear_kto import fused_linear_kto
 from onca.ops.fused_linear_orpo import fused_linear_orpo
 from onca.ops.fused_linear_simpo import fused_linear_simpo
 
-__all__ = ["FusedLinearDPOLoss", "FusedLinearSimPOLoss", "FusedLinearORPOLoss", "FusedLinearCPOLoss",
-           "FusedLinearKTOLoss", "FusedLinearGRPOLoss", "FusedLinearDistillLoss"]
+__all__ = [
+    "FusedLinearCPOLoss",
+    "FusedLinearDPOLoss",
+    "FusedLinearDistillLoss",
+    "FusedLinearGRPOLoss",
+    "FusedLinearKTOLoss",
+    "FusedLinearORPOLoss",
+    "FusedLinearSimPOLoss",
+]
 
 
 class _Options(nn.Module):

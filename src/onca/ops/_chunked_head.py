@@ -61,12 +61,28 @@ from onca.device import DeviceProfile, accelerator
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._rows import as_rows
-from onca.ops._validate import check_bool, check_float, check_index, check_number, check_same_device, check_tensor
+from onca.ops._validate import (
+    check_bool,
+    check_float,
+    check_index,
+    check_number,
+    check_same_device,
+    check_tensor,
+)
 from onca.ops.fused_linear_cross_entropy import chunk_plan as _flce_chunk_plan
 from onca.tiling import ChunkPlan, RowPlan, plan_rows
 
-__all__ = ["chunked_logprobs", "chunk_plan", "plan", "chunk_loop", "head_logits", "accumulate_dw",
-           "validate_head", "head_inputs", "TILES"]
+__all__ = [
+    "TILES",
+    "accumulate_dw",
+    "chunk_loop",
+    "chunk_plan",
+    "chunked_logprobs",
+    "head_inputs",
+    "head_logits",
+    "plan",
+    "validate_head",
+]
 
 # Live tiles of both kernels: the logits tile as loaded and the gradient as stored (input dtype);
 # the fp32 logits, their exponentials, the gradient and one temporary (fp32).
@@ -434,7 +450,7 @@ def head_inputs(hidden: Tensor, *tensors):
     if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
         return (hidden, *tensors), False
     dtype = torch.get_autocast_dtype(device_type)
-    cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+    cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
     return tuple(cast(t) for t in (hidden, *tensors)), True
 
 

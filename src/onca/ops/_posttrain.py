@@ -14,8 +14,17 @@ from torch import Tensor
 from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, validate_head
 from onca.ops._validate import check_bool, check_float, check_number, check_tensor
 
-__all__ = ["policy_logps", "reference_logps", "SequenceLogps", "split_pairs", "check_paired", "check_choice",
-           "check_beta", "check_per_sequence", "chosen_nll"]
+__all__ = [
+    "SequenceLogps",
+    "check_beta",
+    "check_choice",
+    "check_paired",
+    "check_per_sequence",
+    "chosen_nll",
+    "policy_logps",
+    "reference_logps",
+    "split_pairs",
+]
 
 
 class SequenceLogps:

@@ -23,11 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from onca.ops._chunked_head import plan  # noqa: F401  (onca plan <op>: the chunk driver's plans)
-from onca.ops._posttrain import check_beta, check_choice, check_common, check_paired, chosen_nll, policy_logps, split_pairs
+from onca.ops._chunked_head import plan
+from onca.ops._posttrain import (
+    check_beta,
+    check_choice,
+    check_common,
+    check_paired,
+    chosen_nll,
+    policy_logps,
+    split_pairs,
+)
 from onca.ops._validate import check_number
 
-__all__ = ["fused_linear_cpo", "plan", "LOSS_TYPES", "cpo_loss"]
+__all__ = ["LOSS_TYPES", "cpo_loss", "fused_linear_cpo", "plan"]
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 

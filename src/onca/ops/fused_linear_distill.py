@@ -31,7 +31,6 @@ gradient.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator, free_memory
@@ -42,7 +41,7 @@ from onca.ops.cross_entropy import cross_entropy_rows
 from onca.ops.jsd import jsd_rows, plan_divergence
 from onca.tiling import ChunkPlan, plan_token_chunks
 
-__all__ = ["fused_linear_distill", "DIVERGENCES", "chunk_plan", "plan"]
+__all__ = ["DIVERGENCES", "chunk_plan", "fused_linear_distill", "plan"]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "cosine")
 # Tokens per chunk aimed at (the head matmuls read the weights once per chunk), and the share of the
@@ -160,7 +159,7 @@ def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weig
       divergence, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, chunk_tokens, grad_hidden,
       grad_weight, grad_bias):
     sh, sw, sb = student_hidden, student_weight, student_bias
-    scalar = lambda: sh.new_empty((), dtype=torch.float32)  # noqa: E731
+    scalar = lambda: sh.new_empty((), dtype=torch.float32)
     empty = sh.new_empty(0)
     return (scalar(), scalar(), scalar(), sh.new_empty(sh.shape) if grad_hidden else empty,
             sw.new_empty(sw.shape) if grad_weight else empty, sb.new_empty(sb.shape) if grad_bias else empty)
@@ -258,7 +257,7 @@ def _distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature, weig
     check_same_device(th, "teacher_hidden", sh, "student_hidden")
     check_float(th, "teacher_hidden")
     grad_enabled = torch.is_grad_enabled()
-    rows = lambda t: t.reshape(-1, t.shape[-1]).contiguous()  # noqa: E731
+    rows = lambda t: t.reshape(-1, t.shape[-1]).contiguous()
     loss, soft, hard, *_ = fused_linear_distill_forward(
         rows(sh), sw.contiguous(), sb.contiguous() if sb is not None else None, rows(th).detach(),
         tw.detach().contiguous(), tb.detach().contiguous() if tb is not None else None,

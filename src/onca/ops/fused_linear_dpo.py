@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from onca.ops._chunked_head import plan  # noqa: F401  (onca plan <op>: the chunk driver's plans)
+from onca.ops._chunked_head import plan
 from onca.ops._posttrain import (
     check_beta,
     check_choice,
@@ -52,7 +52,7 @@ from onca.ops._posttrain import (
 )
 from onca.ops._validate import check_number
 
-__all__ = ["fused_linear_dpo", "plan", "LOSS_TYPES", "dpo_losses"]
+__all__ = ["LOSS_TYPES", "dpo_losses", "fused_linear_dpo", "plan"]
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
               "apo_down", "sigmoid_norm")

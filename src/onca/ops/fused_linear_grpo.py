@@ -29,11 +29,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from onca.ops._chunked_head import plan  # noqa: F401  (onca plan <op>: the chunk driver's plans)
+from onca.ops._chunked_head import plan
 from onca.ops._posttrain import check_choice, check_common, policy_logps, reference_logps
 from onca.ops._validate import check_float, check_number
 
-__all__ = ["fused_linear_grpo", "plan", "LOSS_TYPES"]
+__all__ = ["LOSS_TYPES", "fused_linear_grpo", "plan"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 LEVELS = ("token", "sequence")

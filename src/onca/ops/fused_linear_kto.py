@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from onca.ops._chunked_head import plan  # noqa: F401  (onca plan <op>: the chunk driver's plans)
+from onca.ops._chunked_head import plan
 from onca.ops._posttrain import (
     check_beta,
     check_choice,
@@ -35,7 +35,7 @@ from onca.ops._posttrain import (
 )
 from onca.ops._validate import check_number, check_tensor
 
-__all__ = ["fused_linear_kto", "plan", "LOSS_TYPES"]
+__all__ = ["LOSS_TYPES", "fused_linear_kto", "plan"]
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 

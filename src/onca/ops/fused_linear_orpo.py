@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from onca.ops._chunked_head import plan  # noqa: F401  (onca plan <op>: the chunk driver's plans)
+from onca.ops._chunked_head import plan
 from onca.ops._posttrain import check_beta, check_common, check_paired, chosen_nll, policy_logps, split_pairs
 from onca.ops._validate import check_number
 
-__all__ = ["fused_linear_orpo", "plan", "log1mexp"]
+__all__ = ["fused_linear_orpo", "log1mexp", "plan"]
 
 
 def log1mexp(x: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from onca.ops._chunked_head import plan  # noqa: F401  (onca plan <op>: the chunk driver's plans)
+from onca.ops._chunked_head import plan
 from onca.ops._posttrain import check_beta, check_common, check_paired
 from onca.ops._validate import check_number
 from onca.ops.fused_linear_cpo import check_label_smoothing, cpo_loss
