@@ -47,9 +47,15 @@ SHARDS: dict[str, tuple[str, ...]] = {
            "tests/ops/test_group_norm.py", "tests/nn/test_group_norm.py"),  # issue 16's norms
     "11": ("tests/ops/test_fused_moe.py", "tests/nn/test_fused_moe.py", "tests/ops/test_mhc.py",
            "tests/nn/test_mhc.py"),  # MoE and attention-side ops
+    "12": (  # post-training losses on the chunk driver
+        "tests/ops/test_chunked_head.py", "tests/ops/test_fused_linear_dpo.py", "tests/ops/test_fused_linear_simpo.py",
+        "tests/ops/test_fused_linear_orpo.py", "tests/ops/test_fused_linear_cpo.py",
+        "tests/ops/test_fused_linear_kto.py", "tests/ops/test_fused_linear_grpo.py",
+        "tests/ops/test_fused_linear_distill.py", "tests/nn/test_posttrain.py",
+    ),
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -41,6 +41,16 @@ from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
 from onca.ops.grpo_loss import grpo_loss
 
+# Post-training losses (preference tuning, RL, distillation) without the logits
+from onca.ops._chunked_head import chunked_logprobs
+from onca.ops.fused_linear_cpo import fused_linear_cpo
+from onca.ops.fused_linear_distill import fused_linear_distill
+from onca.ops.fused_linear_dpo import fused_linear_dpo
+from onca.ops.fused_linear_grpo import fused_linear_grpo
+from onca.ops.fused_linear_kto import fused_linear_kto
+from onca.ops.fused_linear_orpo import fused_linear_orpo
+from onca.ops.fused_linear_simpo import fused_linear_simpo
+
 __all__ = [
     "rms_norm",
     "layer_norm",
@@ -71,4 +81,12 @@ __all__ = [
     "mhc_coeffs",
     "mhc_pre",
     "mhc_post_res",
+    "chunked_logprobs",
+    "fused_linear_dpo",
+    "fused_linear_simpo",
+    "fused_linear_orpo",
+    "fused_linear_cpo",
+    "fused_linear_kto",
+    "fused_linear_grpo",
+    "fused_linear_distill",
 ]

@@ -18,6 +18,15 @@ from onca.nn.modulated_rms_norm import ModulatedRMSNorm
 from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
 from onca.nn.tiled_mlp import TiledGeGLUMLP, TiledSwiGLUMLP
+from onca.nn.posttrain import (
+    FusedLinearCPOLoss,
+    FusedLinearDistillLoss,
+    FusedLinearDPOLoss,
+    FusedLinearGRPOLoss,
+    FusedLinearKTOLoss,
+    FusedLinearORPOLoss,
+    FusedLinearSimPOLoss,
+)
 
 __all__ = [
     "RMSNorm",
@@ -40,4 +49,11 @@ __all__ = [
     "TiledGeGLUMLP",
     "MoEExperts",
     "MHC",
+    "FusedLinearDPOLoss",
+    "FusedLinearSimPOLoss",
+    "FusedLinearORPOLoss",
+    "FusedLinearCPOLoss",
+    "FusedLinearKTOLoss",
+    "FusedLinearGRPOLoss",
+    "FusedLinearDistillLoss",
 ]
