@@ -101,6 +101,7 @@ def _dyt_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    DIRECT_PARTIALS: tl.constexpr,
 ):
     # With t = tanh(alpha * x) and g = w * dy * (1 - t^2):
     #   dx = alpha * g,  dalpha = sum x * g,  dW = sum_rows dy * t,  dB = sum_rows dy
@@ -139,11 +140,11 @@ def _dyt_backward_kernel(
             tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], (g * a).to(dx_ptr.dtype.element_ty),
                      mask=mask)
         if COMPUTE_DA:
-            accumulate_partial(da_row, cols, da_acc, col_mask)
+            accumulate_partial(da_row, cols, da_acc, col_mask, DIRECT_PARTIALS)
         if COMPUTE_DW:
-            accumulate_partial(dw_row, cols, dw_acc, col_mask)
+            accumulate_partial(dw_row, cols, dw_acc, col_mask, DIRECT_PARTIALS)
         if COMPUTE_DB:
-            accumulate_partial(db_row, cols, db_acc, col_mask)
+            accumulate_partial(db_row, cols, db_acc, col_mask, DIRECT_PARTIALS)
 
 
 # --------------------------------------------------------------------------------------- launchers

@@ -227,7 +227,7 @@ def _modulated_rms_norm_backward_kernel(
             if HAS_SHIFT:
                 tl.store(dshift_ptr + slot + cols, dsh_acc, mask=tl.where(has_rows, col_mask, False))
         if HAS_WEIGHT:
-            accumulate_partial(dw_row, cols, dw_acc, col_mask)
+            accumulate_partial(dw_row, cols, dw_acc, col_mask, False)
 
 
 @triton.jit

@@ -221,7 +221,7 @@ def _poly_norm_backward_kernel(
     grads = tl.where(index == 0, tl.sum(acc3, axis=0),
                      tl.where(index == 1, tl.sum(acc2, axis=0),
                               tl.where(index == 2, tl.sum(acc1, axis=0), tl.sum(acc_b, axis=0))))
-    accumulate_partial(partial_row(grads_partial_ptr, 4), index, grads, index < 4)
+    accumulate_partial(partial_row(grads_partial_ptr, 4), index, grads, index < 4, False)
 
 
 # --------------------------------------------------------------------------------------- launchers
