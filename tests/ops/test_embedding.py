@@ -305,3 +305,27 @@ def test_plans_cover_rows_and_column_tiles():
         assert plan.grid == plan.row_blocks * plan.col_tiles, kind
     with pytest.raises(ValueError, match="num_embeddings, embedding_dim"):
         op.plan((128256, 4096), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 7, op.FEW_TOKENS])
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_few_tokens_backward_is_bitwise_the_sorted_one(monkeypatch, device, dtype, tokens, scale_grad_by_freq):
+    # Repeated indices, the padding row, and indices outside the table (no gradient anywhere).
+    n, dim = 13, 40
+    idx = torch.randint(0, 4, (tokens,), device=device)
+    idx[tokens // 2:] = torch.randint(-2, n + 2, (tokens - tokens // 2,), device=device)
+    weight = randn(n, dim, dtype=dtype, device=device)
+    dy = randn(tokens, dim, dtype=dtype, device=device)
+
+    def grad():
+        wk = leaf(weight)
+        embedding(idx, wk, 2, deterministic=True, scale_grad_by_freq=scale_grad_by_freq).backward(dy)
+        return wk.grad
+
+    few = grad()
+    monkeypatch.setattr(op, "FEW_TOKENS", 0)  # the sort, search and segment kernel
+    assert torch.equal(few, grad())
+    valid = (idx >= 0) & (idx < n)
+    ref = reference(idx[valid], weight, dy[valid], 2, scale_grad_by_freq)[1]
+    assert_close(few, ref, dtype, "dW")

@@ -20,7 +20,9 @@ accumulating in fp32, by one of two kernels:
   zero fill is needed, and the result is bitwise reproducible. Atomics into a bf16/fp16 gradient
   would accumulate in 16 bits (frequent tokens lose precision) and an fp32 scratch would triple the
   memory traffic, so 16-bit weights always take this path; it writes each gradient element once and
-  is as fast.
+  is as fast. Up to ``FEW_TOKENS`` tokens the same sums come from one kernel without the sort: the
+  program of an index's first token sums that index's tokens in token order (bitwise the segment
+  kernel's result) into a zeroed gradient.
 
 ``padding_idx``: that row is gathered as usual but receives no gradient (as ``torch.nn.Embedding``).
 
@@ -61,6 +63,12 @@ __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 FORWARD_TILES = dict(live_tiles=1, fp32_tiles=4)  # the gathered rows; load and store addresses
 ATOMIC_TILES = dict(live_tiles=1, fp32_tiles=5)  # dy rows, their fp32 values; dy and dW addresses
 SEGMENT_TILES = dict(live_tiles=2, fp32_tiles=5)  # dy rows, dW tile; fp32 sum; dy and dW addresses
+FEW_TOKENS_TILES = dict(live_tiles=1, fp32_tiles=2)  # one dy row, its fp32 sum
+
+# Up to this many tokens the deterministic backward skips the sort: each token's program compares
+# its index with the others' (a few registers), so a zero fill and one launch replace the sort,
+# the search and their launches, which cost more than the work at host-bound sizes.
+FEW_TOKENS = 64
 
 
 class IndexOutOfRangeError(IndexError, ValueError):
@@ -187,6 +195,38 @@ def _embedding_backward_segment_kernel(
                  acc.to(dw_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _embedding_backward_few_tokens_kernel(
+    idx_ptr, dy_ptr, dw_ptr,
+    n_tokens, n_cols, n_embeddings, dy_row_stride, dw_row_stride, padding_idx,
+    SCALE_BY_FREQ: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    """The segment kernel's result without the sort, for a few tokens: program ``(t, column tile)``
+    writes row ``indices[t]`` if ``t`` is that index's first token, summing the index's tokens in
+    token order (the order the stable sort gives), in fp32; other programs write nothing."""
+    t = tl.program_id(0) // COL_TILES
+    cols = (tl.program_id(0) % COL_TILES) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    positions = tl.arange(0, BLOCK_TOKENS)
+    all_idx = tl.load(idx_ptr + positions, mask=positions < n_tokens, other=-1).to(tl.int64)
+    idx = tl.load(idx_ptr + t).to(tl.int64)
+    earlier = tl.sum(((all_idx == idx) & (positions < t)).to(tl.int32), axis=0)
+    if (earlier == 0) & (idx >= 0) & (idx < n_embeddings) & (idx != padding_idx):
+        acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        count = 0
+        for s in range(t, n_tokens):
+            if tl.sum(tl.where(positions == s, all_idx, 0), axis=0) == idx:
+                acc += tl.load(dy_ptr + tl.cast(s, tl.int64) * dy_row_stride + cols, mask=col_mask,
+                               other=0.0).to(tl.float32)
+                count += 1
+        if SCALE_BY_FREQ:
+            acc = acc / count
+        tl.store(dw_ptr + idx * dw_row_stride + cols, acc.to(dw_ptr.dtype.element_ty), mask=col_mask)
+
+
 # --------------------------------------------------------------------------------------- launchers
 
 
@@ -282,6 +322,18 @@ def _backward_atomic(indices, dy, dw, padding_idx: int) -> None:
     )
 
 
+def _backward_few_tokens(indices, dy, dw, padding_idx: int, scale_grad_by_freq: bool) -> None:
+    """The segment path's sums into the zeroed ``dw`` without the sort, search and their launches."""
+    n_tokens, dim = dy.shape
+    p = plan_rows(1, dim, dw.dtype, **FEW_TOKENS_TILES)
+    _embedding_backward_few_tokens_kernel[(n_tokens * p.col_tiles,)](
+        indices, dy, dw,
+        n_tokens, dim, dw.shape[0], dy.stride(0), dw.stride(0), padding_idx,
+        SCALE_BY_FREQ=scale_grad_by_freq, BLOCK_TOKENS=triton.next_power_of_2(n_tokens),
+        BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
+    )
+
+
 def _backward_segment(indices, dy, dw, padding_idx: int, scale_grad_by_freq: bool) -> None:
     """Write every element of ``dw`` once: sort, find each row's segment, sum the segments."""
     n_embeddings, dim = dw.shape
@@ -308,7 +360,10 @@ def embedding_backward(dy: Tensor, indices: Tensor, n_embeddings: int, padding_i
     n_tokens, dim = dy.shape
     if n_tokens == 0 or n_embeddings == 0 or dim == 0:
         return torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
-    if _segment_path(weight_dtype, deterministic, scale_grad_by_freq):
+    if _segment_path(weight_dtype, deterministic, scale_grad_by_freq) and n_tokens <= FEW_TOKENS:
+        dw = torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
+        _backward_few_tokens(indices, dy, dw, padding_idx, scale_grad_by_freq)
+    elif _segment_path(weight_dtype, deterministic, scale_grad_by_freq):
         dw = torch.empty((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
         _backward_segment(indices, dy, dw, padding_idx, scale_grad_by_freq)
     else:  # fp32 weights: the atomics accumulate into the gradient itself
