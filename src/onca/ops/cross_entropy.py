@@ -79,8 +79,8 @@ from onca.ops._validate import (
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["cross_entropy", "CrossEntropyOutput", "REDUCTIONS", "plan", "cross_entropy_rows",
-           "validate_options", "check_target", "check_class_weight", "count_targets", "class_weight_sums",
-           "gradient_scales", "reduce_rows", "reduce_loss", "token_accuracy", "fake_predictions",
+           "validate_options", "check_target", "check_class_weight", "target_stats", "reduce_losses",
+           "N_VALID", "WEIGHT_TOTAL", "TARGET_WEIGHT_SUM", "SCALE", "Z_SCALE", "fake_predictions",
            "loss_outputs", "scale_forward_gradient", "ForwardGradients"]
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -439,58 +439,141 @@ def cross_entropy_rows(
     )
 
 
-def count_targets(target: Tensor, ignore_index: int) -> Tensor:
-    """How many targets are not ``ignore_index``: a 0-d tensor on the device (no synchronisation)."""
-    return (target != ignore_index).sum()
+# Where ``target_stats`` puts each value in its fp32 vector.
+N_VALID, WEIGHT_TOTAL, TARGET_WEIGHT_SUM, SCALE, Z_SCALE = range(5)
 
 
-def class_weight_sums(weight: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """``(sum of every class weight, sum of the non-ignored targets' weights)``: fp32 0-d tensors
-    on the device, the second the denominator of torch's weighted mean. A target outside the
-    vocabulary counts class 0's weight (its loss is NaN anyway)."""
-    w = weight.to(torch.float32)
-    valid = target != ignore_index
-    index = torch.where(valid & (target >= 0) & (target < w.shape[0]), target, 0)
-    return w.sum(), (w.index_select(0, index) * valid).sum()
+@triton.jit
+def _target_stats_kernel(target_ptr, weight_ptr, grad_ptr, stats_ptr, n_rows, n_classes, ignore_index,
+                         HAS_WEIGHT: tl.constexpr, HAS_GRAD: tl.constexpr, MEAN: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """One program: the count of non-ignored targets, the class weights' sum and the targets'
+    summed weights (a target outside the classes counts class 0's; its loss is NaN anyway), and
+    the gradient scales of the loss's cross-entropy and z-loss parts for the incoming gradient
+    (1 without ``HAS_GRAD``): a mean divides the first by the summed target weights (torch's
+    weighted mean; the count without weights) and the second by the count."""
+    offsets = tl.arange(0, BLOCK)
+    count = tl.zeros([BLOCK], dtype=tl.float32)
+    target_weights = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offsets
+        y = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index)
+        valid = (rows < n_rows) & (y != ignore_index)
+        count += valid.to(tl.float32)
+        if HAS_WEIGHT:
+            cls = tl.where(valid & (y >= 0) & (y < n_classes), y, 0)
+            target_weights += tl.load(weight_ptr + cls, mask=valid, other=0.0).to(tl.float32)
+    n_valid = tl.sum(count, axis=0)
+    target_weight_sum = tl.sum(target_weights, axis=0)
+    weight_total = n_classes * 1.0
+    if HAS_WEIGHT:
+        weights = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_classes, BLOCK):
+            cls = start + offsets
+            weights += tl.load(weight_ptr + cls, mask=cls < n_classes, other=0.0).to(tl.float32)
+        weight_total = tl.sum(weights, axis=0)
+    g = 1.0
+    if HAS_GRAD:
+        g = tl.load(grad_ptr).to(tl.float32)
+    scale = g
+    z_scale = g
+    if MEAN:
+        z_scale = g / n_valid
+        scale = g / target_weight_sum if HAS_WEIGHT else z_scale
+    tl.store(stats_ptr + 0, n_valid)
+    tl.store(stats_ptr + 1, weight_total)
+    tl.store(stats_ptr + 2, target_weight_sum)
+    tl.store(stats_ptr + 3, scale)
+    tl.store(stats_ptr + 4, z_scale)
 
 
-def gradient_scales(grad_loss: Tensor | None, reduction: str, n_valid: Tensor,
-                    target_weight_sum: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """The scales of the cross-entropy and z-loss parts of the logits' gradient for the incoming
-    gradient ``grad_loss`` (None: 1). A mean divides the first by the summed weights of the
-    targets (the count of non-ignored tokens without class weights) and the second by the count:
-    the z-loss is not class-weighted, as in liger-kernel."""
-    if reduction != "mean":
-        return grad_loss, grad_loss
-    one = grad_loss if grad_loss is not None else torch.ones((), dtype=torch.float32, device=n_valid.device)
-    z_scale = one / n_valid
-    return (z_scale if target_weight_sum is None else one / target_weight_sum), z_scale
+@triton.jit
+def _reduce_loss_kernel(ce_ptr, z_ptr, stats_ptr, predicted_ptr, target_ptr, loss_ptr, z_loss_ptr,
+                        accuracy_ptr, n_rows, ignore_index,
+                        MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREDICTIONS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One program, in a fixed order: the loss from its per-row cross-entropy and z-loss parts
+    (a mean divides the first by the summed target weights, the second by the count: the z-loss
+    is not class-weighted, as in liger-kernel), the z-loss alone, and the fraction of
+    non-ignored tokens predicted right (liger-kernel's token accuracy, for mean and sum alike);
+    a mean over no token is NaN, as torch's."""
+    offsets = tl.arange(0, BLOCK)
+    ce = tl.zeros([BLOCK], dtype=tl.float32)
+    z = tl.zeros([BLOCK], dtype=tl.float32)
+    correct = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offsets
+        mask = rows < n_rows
+        ce += tl.load(ce_ptr + rows, mask=mask, other=0.0)
+        z += tl.load(z_ptr + rows, mask=mask, other=0.0)
+        if PREDICTIONS:
+            y = tl.load(target_ptr + rows, mask=mask, other=ignore_index)
+            pred = tl.load(predicted_ptr + rows, mask=mask, other=-1)
+            correct += (mask & (y != ignore_index) & (pred == y)).to(tl.float32)
+    ce_sum = tl.sum(ce, axis=0)
+    z_sum = tl.sum(z, axis=0)
+    n_valid = tl.load(stats_ptr + 0)
+    loss = ce_sum + z_sum
+    z_loss = z_sum
+    if MEAN:
+        z_loss = z_sum / n_valid
+        if HAS_WEIGHT:
+            loss = ce_sum / tl.load(stats_ptr + 2) + z_loss
+        else:
+            loss = loss / n_valid
+    tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))
+    tl.store(z_loss_ptr, z_loss.to(z_loss_ptr.dtype.element_ty))
+    if PREDICTIONS:
+        tl.store(accuracy_ptr, tl.sum(correct, axis=0) / n_valid)
 
 
-def reduce_rows(per_row: Tensor, reduction: str, n_valid: Tensor) -> Tensor:
-    """Per-row fp32 values reduced as torch reduces a loss (a mean over ``n_valid``, NaN when 0)."""
+def _block(n: int) -> int:
+    """The vector width of the one-program reductions: the rows at once, up to 1024."""
+    return max(16, min(1024, triton.next_power_of_2(max(n, 1))))
+
+
+def target_stats(target: Tensor, ignore_index: int, weight: Tensor | None, reduction: str,
+                 grad_loss: Tensor | None = None) -> Tensor:
+    """An fp32 vector on the device, indexed by ``N_VALID``, ``WEIGHT_TOTAL``,
+    ``TARGET_WEIGHT_SUM``, ``SCALE``, ``Z_SCALE`` (see ``_target_stats_kernel``): one launch, no
+    synchronisation. ``grad_loss``: the loss's 0-d incoming gradient (None: 1)."""
+    stats = torch.empty(5, dtype=torch.float32, device=target.device)
+    n_classes = weight.shape[0] if weight is not None else 0
+    _target_stats_kernel[(1,)](
+        target, weight if weight is not None else stats, grad_loss if grad_loss is not None else stats, stats,
+        target.shape[0], n_classes, ignore_index,
+        HAS_WEIGHT=weight is not None, HAS_GRAD=grad_loss is not None, MEAN=reduction == "mean",
+        BLOCK=_block(max(target.shape[0], n_classes)),
+    )
+    return stats
+
+
+def reduce_losses(ce_rows: Tensor, z_rows: Tensor, stats: Tensor, reduction: str, dtype: torch.dtype, *,
+                  weighted: bool, predicted: Tensor | None = None, target: Tensor | None = None,
+                  ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(loss, z_loss, token_accuracy)`` from the per-row fp32 parts, the losses in ``dtype``;
+    reduced by one launch (``reduction="none"``: per row). The accuracy is None without
+    ``predicted``."""
     if reduction == "none":
-        return per_row
-    total = per_row.sum()
-    return total / n_valid if reduction == "mean" else total
+        accuracy = None
+        if predicted is not None:
+            accuracy = ((predicted == target) & (target != ignore_index)).to(torch.float32)
+        return (ce_rows + z_rows).to(dtype), z_rows.to(dtype), accuracy
+    loss, z_loss = (torch.empty((), dtype=dtype, device=ce_rows.device) for _ in range(2))
+    accuracy = torch.empty((), dtype=torch.float32, device=ce_rows.device) if predicted is not None else None
+    _reduce_loss_kernel[(1,)](
+        ce_rows, z_rows, stats, predicted if predicted is not None else ce_rows,
+        target if target is not None else ce_rows, loss, z_loss,
+        accuracy if accuracy is not None else loss, ce_rows.shape[0], ignore_index,
+        MEAN=reduction == "mean", HAS_WEIGHT=weighted, PREDICTIONS=predicted is not None,
+        BLOCK=_block(ce_rows.shape[0]),
+    )
+    return loss, z_loss, accuracy
 
 
-def reduce_loss(ce_rows: Tensor, z_rows: Tensor, reduction: str, n_valid: Tensor,
-                target_weight_sum: Tensor | None) -> Tensor:
-    """The loss from its per-row cross-entropy and z-loss parts: a mean divides the first by the
-    summed target weights (torch's weighted mean), the second by the count of non-ignored tokens."""
-    if reduction != "mean" or target_weight_sum is None:
-        return reduce_rows(ce_rows + z_rows, reduction, n_valid)
-    return ce_rows.sum() / target_weight_sum + z_rows.sum() / n_valid
-
-
-def token_accuracy(predicted: Tensor, target: Tensor, ignore_index: int, reduction: str,
-                   n_valid: Tensor) -> Tensor:
-    """Whether each non-ignored token's argmax is its target (fp32 1/0, 0 when ignored) with
-    ``reduction="none"``; else the fraction of non-ignored tokens predicted right (NaN for none),
-    as liger-kernel reports it for ``"mean"`` and ``"sum"`` alike."""
-    correct = ((predicted == target) & (target != ignore_index)).to(torch.float32)
-    return correct if reduction == "none" else correct.sum() / n_valid
+def _unit_scale(stats: Tensor, reduction: str, z: bool = False) -> Tensor | None:
+    """The gradient scale for a unit incoming gradient (None where it is 1: no division)."""
+    return stats[Z_SCALE if z else SCALE] if reduction == "mean" else None
 
 
 def _no_rows(like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -514,24 +597,22 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Tensor | None,
     grad = logits.new_empty((rows, vocab) if keep_grad else (0,))
     ce_rows, z_rows, lse = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     predicted = torch.empty(rows if predictions else 0, dtype=torch.int64, device=logits.device)
-    n_valid = count_targets(target, ignore_index)
-    weight_total, target_weight_sum = (class_weight_sums(weight, target, ignore_index) if weight is not None
-                                       else (None, None))
+    stats = target_stats(target, ignore_index, weight, reduction)
     if rows:
         if gradient_in_forward and overwrite_logits:
             # The logits are about to hold the gradient: a graph that saved them must fail loudly.
             torch.autograd.graph.increment_version(logits)
         into = (logits if overwrite_logits else grad) if gradient_in_forward else None
-        scale, z_scale = gradient_scales(None, reduction, n_valid, target_weight_sum)
         cross_entropy_rows(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
                            lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=True, lse=lse,
                            loss=ce_rows, z=z_rows, predicted=predicted if predictions else None, grad=into,
-                           scale=scale, z_scale=z_scale, weight=weight, weight_total=weight_total)
-    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, target_weight_sum).to(logits.dtype)
-    z_loss = reduce_rows(z_rows, reduction, n_valid).to(logits.dtype)
-    accuracy = (token_accuracy(predicted, target, ignore_index, reduction, n_valid) if predictions
-                else _no_rows(logits))
-    return loss, z_loss, lse, grad, accuracy, predicted
+                           scale=_unit_scale(stats, reduction), z_scale=_unit_scale(stats, reduction, z=True),
+                           weight=weight, weight_total=stats[WEIGHT_TOTAL])
+    loss, z_loss, accuracy = reduce_losses(ce_rows, z_rows, stats, reduction, logits.dtype,
+                                           weighted=weight is not None,
+                                           predicted=predicted if predictions else None, target=target,
+                                           ignore_index=ignore_index)
+    return loss, z_loss, lse, grad, accuracy if predictions else _no_rows(logits), predicted
 
 
 def fake_predictions(like: Tensor, rows: int, reduction: str, predictions: bool) -> tuple[Tensor, Tensor]:
@@ -565,14 +646,17 @@ def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, ls
     grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
     if rows == 0:
         return grad
-    weight_total, target_weight_sum = (class_weight_sums(weight, target, ignore_index) if weight is not None
-                                       else (None, None))
-    g = grad_loss.to(torch.float32)
-    scale, z_scale = gradient_scales(g.reshape(-1) if reduction == "none" else g, reduction,
-                                     count_targets(target, ignore_index), target_weight_sum)
+    if reduction == "none":
+        # Per-row scales: the incoming gradient itself (stats only for the class weights' sum).
+        scale = z_scale = grad_loss.reshape(-1)
+        stats = target_stats(target, ignore_index, weight, reduction) if weight is not None else None
+    else:
+        stats = target_stats(target, ignore_index, weight, reduction, grad_loss)
+        scale, z_scale = stats[SCALE], stats[Z_SCALE]
     cross_entropy_rows(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
                        lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=False, lse=lse,
-                       grad=grad, scale=scale, z_scale=z_scale, weight=weight, weight_total=weight_total)
+                       grad=grad, scale=scale, z_scale=z_scale, weight=weight,
+                       weight_total=stats[WEIGHT_TOTAL] if weight is not None else None)
     return grad
 
 

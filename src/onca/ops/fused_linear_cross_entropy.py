@@ -59,20 +59,19 @@ from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._rows import as_rows
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import (
+    SCALE,
     TILES as CE_TILES,
+    WEIGHT_TOTAL,
+    Z_SCALE,
     ForwardGradients,
     check_class_weight,
     check_target,
-    class_weight_sums,
-    count_targets,
     cross_entropy_rows,
     fake_predictions,
-    gradient_scales,
     loss_outputs,
-    reduce_loss,
-    reduce_rows,
+    reduce_losses,
     scale_forward_gradient,
-    token_accuracy,
+    target_stats,
     validate_options,
 )
 from onca.tiling import ChunkPlan, plan_rows, plan_token_chunks
@@ -227,23 +226,23 @@ def fused_linear_cross_entropy_forward(
     dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32) if write_grad else (None,) * 3
     ce_rows, z_rows, lse = (torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(3))
     predicted = torch.empty(tokens if predictions else 0, dtype=torch.int64, device=hidden.device)
-    n_valid = count_targets(target, ignore_index)
-    weight_total, target_weight_sum = (class_weight_sums(ce_weight, target, ignore_index)
-                                       if ce_weight is not None else (None, None))
+    stats = target_stats(target, ignore_index, ce_weight, reduction)
     if tokens:
-        scale, z_scale = (gradient_scales(None, reduction, n_valid, target_weight_sum) if write_grad
-                          else (None, None))
-        options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
-                           token_scaling)
+        mean = write_grad and reduction == "mean"
+        scale, z_scale = (stats[SCALE], stats[Z_SCALE]) if mean else (None, None)
+        options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight,
+                           stats[WEIGHT_TOTAL] if ce_weight is not None else None, token_scaling)
         chunks = _plan_for(hidden, weight.shape[0], dw, chunk_tokens)
         _chunk_loop(hidden, weight, bias, target, chunks, options, compute_lse=True, lse=lse,
                     write_grad=write_grad, loss=ce_rows, z=z_rows,
                     predicted=predicted if predictions else None, scale=scale, z_scale=z_scale,
                     dx=dx, dw=dw, db=db)
-    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, target_weight_sum)
-    z_loss = reduce_rows(z_rows, reduction, n_valid)
-    accuracy = (token_accuracy(predicted, target, ignore_index, reduction, n_valid) if predictions
-                else hidden.new_empty(0, dtype=torch.float32))
+    loss, z_loss, accuracy = reduce_losses(ce_rows, z_rows, stats, reduction, torch.float32,
+                                           weighted=ce_weight is not None,
+                                           predicted=predicted if predictions else None, target=target,
+                                           ignore_index=ignore_index)
+    if accuracy is None:
+        accuracy = hidden.new_empty(0, dtype=torch.float32)
     return (loss, z_loss, lse) + _as_outputs(hidden, weight, bias, dx, dw, db) + (accuracy, predicted)
 
 
@@ -279,7 +278,8 @@ def fused_linear_cross_entropy_backward(
     needs = (grad_hidden, grad_weight, grad_bias)
     dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32)
     if hidden.shape[0]:
-        weight_total = ce_weight.to(torch.float32).sum() if ce_weight is not None else None
+        weight_total = (target_stats(target, ignore_index, ce_weight, "none")[WEIGHT_TOTAL]
+                        if ce_weight is not None else None)
         options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
                            token_scaling)
         chunks = _plan_for(hidden, weight.shape[0], dw, chunk_tokens)
