@@ -13,7 +13,12 @@ from onca.ops.rms_norm import rms_norm
 
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
+from onca.ops.relu_squared import relu_squared
 from onca.ops.swiglu import swiglu, swiglu_linear
+
+# Activations over a row
+from onca.ops.softmax import softmax
+from onca.ops.sparsemax import sparsemax
 
 # Position and embedding
 from onca.ops.attn_res import attn_res
@@ -26,6 +31,7 @@ from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from onca.ops.fused_linear_jsd import fused_linear_jsd
 from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
+from onca.ops.tvd import tvd
 
 __all__ = [
     "rms_norm",
@@ -44,4 +50,8 @@ __all__ = [
     "kl_div",
     "jsd",
     "fused_linear_jsd",
+    "relu_squared",
+    "softmax",
+    "sparsemax",
+    "tvd",
 ]
