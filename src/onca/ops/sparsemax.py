@@ -7,8 +7,9 @@
 
 How ``tau`` is found (no sort, unlike the paper's and liger-kernel's algorithm, which sort each
 row with ``torch.sort`` first): ``f(t) = sum(max(z - t, 0))`` is convex, piecewise linear and
-decreasing, and ``tau`` lies in ``[max(z) - 1, max(z))``. Starting from ``lo = max(z) - 1`` (a
-lower bound) and ``hi = max(z)``, each step of the kernel takes one pass over the row and computes
+decreasing, and ``tau`` lies in ``[max(z) - 1, max(z))``. The kernel works on ``z - max(z)``
+(exact near the top, so the sums over the support stay accurate for rows of any magnitude). Starting from
+``lo = max(z) - 1`` (a lower bound) and ``hi = max(z)``, each step of the kernel takes one pass over the row and computes
 both
 
 - a Newton step from ``lo``: ``t = (sum_{z > lo} z - 1) / |{z > lo}|``, which is Michelot's
@@ -43,8 +44,8 @@ from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["plan", "sparsemax", "MAX_STEPS"]
 
-# Bisection halves a bracket of width 1 to 2**-32 in this many steps: past fp32 resolution for any
-# row whose maximum is at least 2**-8. Rows stop earlier as soon as Newton has converged.
+# Bisection halves the bracket of width 1 to 2**-32 in this many steps: past fp32 resolution (tau is
+# found relative to the row's maximum, in [-1, 0)). Rows stop earlier once Newton has converged.
 MAX_STEPS = 32
 
 # Live tiles (input dtype; fp32). Forward: x and y; x, and the step's masked sums' operands (z >
@@ -101,6 +102,7 @@ def _sparsemax_forward_kernel(
             z = tl.load(x_rows + col_offsets[None, :], mask=mask, other=float("-inf")).to(tl.float32)
             # Rows past the end read as all -inf: give them a finite bracket (their stores are masked).
             top = tl.where(row_mask, tl.max(z, axis=1), 0.0)
+            z = z - top[:, None]
         else:
             top = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
             for tile in range(COL_TILES):
@@ -109,8 +111,10 @@ def _sparsemax_forward_kernel(
                 z = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
                 top = tl.maximum(top, tl.max(z, axis=1))
             top = tl.where(row_mask, top, 0.0)
-        lo = top - 1.0
-        hi = top
+        # Relative to the row's maximum (z - top, exact near the top), so that the sums over the
+        # support stay small and accurate whatever the magnitude of the row: tau - top is in [-1, 0).
+        lo = tl.full([BLOCK_ROWS], -1.0, tl.float32)
+        hi = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         moving = 1
         for _step in range(MAX_STEPS):
             if moving != 0:
@@ -125,7 +129,7 @@ def _sparsemax_forward_kernel(
                         cols = tile * BLOCK_COLS + col_offsets
                         mask = row_mask[:, None] & (cols < n_cols)[None, :]
                         zt = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-                        s_t, k_t, f_t = _step_sums(zt, lo, mid)
+                        s_t, k_t, f_t = _step_sums(zt - top[:, None], lo, mid)
                         s += s_t
                         k += k_t
                         f += f_t
@@ -133,7 +137,7 @@ def _sparsemax_forward_kernel(
                 # NaN rows never compare equal: they stop with the others once the bracket is spent.
                 moving = tl.max(tl.where(row_mask & (new_lo != lo) & (hi > new_lo), 1, 0), axis=0)
                 lo = new_lo
-        # lo is now tau (or, on a pathological row, within 2**-MAX_STEPS of it from below).
+        # lo is now tau - top (or, on a pathological row, within 2**-MAX_STEPS of it from below).
         if COL_TILES == 1:
             y = tl.maximum(z - lo[:, None], 0.0)
             tl.store(y_rows + col_offsets[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -142,7 +146,7 @@ def _sparsemax_forward_kernel(
                 cols = tile * BLOCK_COLS + col_offsets
                 mask = row_mask[:, None] & (cols < n_cols)[None, :]
                 z = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-                y = tl.maximum(z - lo[:, None], 0.0)
+                y = tl.maximum((z - top[:, None]) - lo[:, None], 0.0)
                 tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
