@@ -91,14 +91,6 @@ def test_zero_dim_and_empty(device):
         assert e.grad.shape == e.shape
 
 
-def test_module(device):
-    import onca
-
-    m = onca.nn.ReLUSquared()
-    assert list(m.state_dict()) == []
-    x = randn(3, 40, device=device)
-    torch.testing.assert_close(m(x), torch.relu(x).square())
-
 
 def test_does_not_modify_caller_tensors(device):
     x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)

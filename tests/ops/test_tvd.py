@@ -164,20 +164,6 @@ def test_no_grad_forward(device):
     assert_close(loss, reference(p.double(), q.double()), torch.float32, "loss")
 
 
-def test_module(device):
-    import onca
-
-    m = onca.nn.TVDLoss()
-    assert m.reduction == "batchmean" and m.ignore_index == IGNORE and list(m.state_dict()) == []
-    p, q = make_inputs((6, 50), torch.float32, device)
-    labels = make_labels((6, 50), device)
-    torch.testing.assert_close(m(p, q, labels), reference(p, q, labels).float())
-    torch.testing.assert_close(onca.nn.TVDLoss("sum")(p, q), reference(p, q, None, "sum").float())
-    with pytest.raises(ValueError, match="reduction"):
-        onca.nn.TVDLoss("elementwise")
-    with pytest.raises(TypeError, match="ignore_index must be an int"):
-        onca.nn.TVDLoss(ignore_index=-100.0)
-
 
 def test_does_not_modify_caller_tensors(device):
     p, q = make_inputs(BASE_SHAPE, torch.bfloat16, device)

@@ -10,8 +10,8 @@ from onca.nn.jsd import JSD
 from onca.nn.kl_div import KLDivLoss
 from onca.nn.layer_norm import LayerNorm
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
-from onca.nn.rms_norm import RMSNorm
 from onca.nn.relu_squared import ReLUSquared
+from onca.nn.rms_norm import RMSNorm
 from onca.nn.softmax import Softmax
 from onca.nn.sparsemax import Sparsemax
 from onca.nn.tvd import TVDLoss

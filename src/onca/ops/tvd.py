@@ -43,7 +43,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._rows import as_rows, rows_cols
-from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
+from onca.ops._validate import check_float, check_same_device, check_tensor
 from onca.ops.jsd import check_ignore_index, check_labels, token_scale
 from onca.tiling import RowPlan, plan_rows
 
