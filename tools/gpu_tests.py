@@ -40,9 +40,13 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
+    "10": (  # row activations and TVD
+           "tests/ops/test_softmax.py", "tests/nn/test_softmax.py", "tests/ops/test_sparsemax.py",
+           "tests/nn/test_sparsemax.py", "tests/ops/test_relu_squared.py", "tests/nn/test_relu_squared.py",
+           "tests/ops/test_tvd.py", "tests/nn/test_tvd.py"),
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

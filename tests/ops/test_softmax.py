@@ -17,6 +17,7 @@ SHAPES = {
 }[SCALE]
 BASE_SHAPE = {"cpu": (2, 7, 300), "gpu": (8, 1024, 4096)}[SCALE]
 TILED_COLS = {"cpu": 300, "gpu": 65536}[SCALE]
+TILED_DTYPES = {"cpu": [torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]}[SCALE]
 WIDE_ROWS = {"cpu": 1, "gpu": 256}[SCALE]
 WIDE_COLS = {"cpu": 40000, "gpu": 151936}[SCALE]
 
@@ -46,7 +47,7 @@ def test_shapes(profile, device, shape):
     check(randn(*shape, dtype=torch.bfloat16, device=device, std=2.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16] if SCALE == "cpu" else [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", TILED_DTYPES, ids=str)
 def test_column_tiled_path(profile, device, onchip_bytes, dtype):
     forced = onchip_bytes(2048 if SCALE == "cpu" else 65536)
     plans = op.plan((9, TILED_COLS), dtype, forced)

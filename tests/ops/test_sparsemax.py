@@ -16,6 +16,7 @@ SHAPES = {
 }[SCALE]
 BASE_SHAPE = {"cpu": (2, 7, 300), "gpu": (8, 1024, 4096)}[SCALE]
 TILED_COLS = {"cpu": 300, "gpu": 65536}[SCALE]
+TILED_DTYPES = {"cpu": [torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]}[SCALE]
 
 
 def reference(x, dim=-1):
@@ -69,7 +70,7 @@ def test_shapes(profile, device, shape):
     check(randn(*shape, dtype=torch.float32, device=device))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16] if SCALE == "cpu" else [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", TILED_DTYPES, ids=str)
 def test_column_tiled_path(profile, device, onchip_bytes, dtype):
     forced = onchip_bytes(4096 if SCALE == "cpu" else 65536)
     plans = op.plan((9, TILED_COLS), dtype, forced)
@@ -90,7 +91,8 @@ def test_hard_rows(device, kind):
         "huge": lambda: 1e4 + randn(4, n, device=device),
         "ties": lambda: torch.randint(0, 3, (4, n), device=device).float() * 0.25,
         "geometric": lambda: -(2.0 ** -torch.arange(60, device=device, dtype=torch.float32)).repeat(4, 1),
-        "one-hot": lambda: torch.zeros(4, n, device=device).index_fill_(1, torch.tensor([3], device=device), 5.0),
+        "one-hot": lambda: torch.zeros(4, n, device=device).index_fill_(1, torch.tensor([3], device=device),
+                                                                        5.0),
         "dense": lambda: torch.full((4, n), 2.0, device=device) + 1e-6 * torch.arange(n, device=device),
     }[kind]()
     check(x)

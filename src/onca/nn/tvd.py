@@ -26,7 +26,8 @@ class TVDLoss(nn.Module):
         self.reduction = reduction
         self.ignore_index = ignore_index
 
-    def forward(self, p: torch.Tensor, q: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, p: torch.Tensor, q: torch.Tensor,
+                shift_labels: torch.Tensor | None = None) -> torch.Tensor:
         return tvd(p, q, shift_labels, self.reduction, self.ignore_index)
 
     def extra_repr(self) -> str:

@@ -61,13 +61,15 @@ def _relu_squared_kernel(
         for tile in range(COL_TILES):
             cols = tile * BLOCK_COLS + col_offsets
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            r = _relu(tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+            x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
+            r = _relu(x.to(tl.float32))
             if BACKWARD:
                 dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
                 out = 2.0 * r * dy.to(tl.float32)
             else:
                 out = r * r
-            tl.store(out_ptr + rows64 * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + rows64 * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 # --------------------------------------------------------------------------------------- launchers

@@ -8,9 +8,9 @@
 How ``tau`` is found (no sort, unlike the paper's and liger-kernel's algorithm, which sort each
 row with ``torch.sort`` first): ``f(t) = sum(max(z - t, 0))`` is convex, piecewise linear and
 decreasing, and ``tau`` lies in ``[max(z) - 1, max(z))``. The kernel works on ``z - max(z)``
-(exact near the top, so the sums over the support stay accurate for rows of any magnitude). Starting from
-``lo = max(z) - 1`` (a lower bound) and ``hi = max(z)``, each step of the kernel takes one pass over the row and computes
-both
+(exact near the top, so the sums over the support stay accurate for rows of any magnitude).
+Starting from ``lo = max(z) - 1`` (a lower bound) and ``hi = max(z)``, each step of the kernel
+takes one pass over the row and computes both
 
 - a Newton step from ``lo``: ``t = (sum_{z > lo} z - 1) / |{z > lo}|``, which is Michelot's
   projection step; from below it never passes ``tau`` and reaches it exactly once the support is
@@ -40,7 +40,8 @@ from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._rows import as_rows, as_rows_over, from_rows_over, rows_cols
 from onca.ops._validate import check_dim, check_float
-from onca.tiling import RowPlan, plan_rows
+from onca.ops.softmax import plan_two_pass
+from onca.tiling import RowPlan
 
 __all__ = ["plan", "sparsemax", "MAX_STEPS"]
 
@@ -219,13 +220,14 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     the last dimension)."""
     rows, cols = rows_cols(shape)
     return {
-        "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
-        "backward": plan_rows(rows, cols, dtype, profile=profile, **BACKWARD_TILES),
+        "forward": plan_two_pass(rows, cols, dtype, FORWARD_TILES, profile),
+        "backward": plan_two_pass(rows, cols, dtype, BACKWARD_TILES, profile),
     }
 
 
 def _constexprs(p: RowPlan) -> dict:
-    return dict(BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps)
+    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
+            "num_warps": p.num_warps}
 
 
 @custom_op("sparsemax_forward")
@@ -235,7 +237,7 @@ def sparsemax_forward(x: Tensor) -> Tensor:
     y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return y
-    p = plan_rows(rows, cols, x.dtype, **FORWARD_TILES)
+    p = plan_two_pass(rows, cols, x.dtype, FORWARD_TILES)
     _sparsemax_forward_kernel[(p.grid,)](x, y, rows, cols, x.stride(0), y.stride(0), MAX_STEPS=MAX_STEPS,
                                          **_constexprs(p))
     return y
@@ -253,7 +255,7 @@ def sparsemax_backward(dy: Tensor, y: Tensor) -> Tensor:
     dx = torch.empty((rows, cols), dtype=y.dtype, device=y.device)
     if y.numel() == 0:
         return dx
-    p = plan_rows(rows, cols, y.dtype, **BACKWARD_TILES)
+    p = plan_two_pass(rows, cols, y.dtype, BACKWARD_TILES)
     _sparsemax_backward_kernel[(p.grid,)](dy, y, dx, rows, cols, dy.stride(0), y.stride(0), dx.stride(0),
                                           **_constexprs(p))
     return dx

@@ -102,8 +102,10 @@ def _tvd_kernel(
             col_mask = (cols < n_cols)[None, :]
             store_mask = row_mask[:, None] & col_mask
             load_mask = valid[:, None] & col_mask
-            p = tl.load(p_ptr + rows64 * p_row_stride + cols[None, :], mask=load_mask, other=0.0).to(tl.float32)
-            q = tl.load(q_ptr + rows64 * q_row_stride + cols[None, :], mask=load_mask, other=0.0).to(tl.float32)
+            p = tl.load(p_ptr + rows64 * p_row_stride + cols[None, :], mask=load_mask, other=0.0)
+            q = tl.load(q_ptr + rows64 * q_row_stride + cols[None, :], mask=load_mask, other=0.0)
+            p = p.to(tl.float32)
+            q = q.to(tl.float32)
             diff = p - q
             if LOSS == 1:
                 tl.store(loss_ptr + rows64 * loss_row_stride + cols[None, :],
