@@ -43,8 +43,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     dtype = dtype or actual.dtype
     rtol, atol, norm_tol = TOLERANCES[dtype]
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a = actual.detach().to(torch.float64).cpu()
-    e = expected.detach().to(torch.float64).cpu()
+    # Compared where the reference lives: at GPU sizes a float64 copy to the host costs seconds.
+    e = expected.detach().to(torch.float64)
+    a = actual.detach().to(device=e.device, dtype=torch.float64)
     finite = torch.isfinite(e)
     assert torch.isfinite(a[finite]).all(), f"{name}: non-finite values where the reference is finite"
     assert torch.equal(torch.isnan(a), torch.isnan(e)), f"{name}: NaN pattern differs from the reference"

@@ -26,13 +26,15 @@ SHARDS: dict[str, tuple[str, ...]] = {
     "1": ("tests/ops/test_rms_norm.py", "tests/nn/test_rms_norm.py", "tests/ops/test_partials.py"),
     "2": ("tests/ops/test_fused_add_rms_norm.py", "tests/nn/test_fused_add_rms_norm.py",
           "tests/ops/test_layer_norm.py", "tests/nn/test_layer_norm.py"),
-    "3": ("tests/ops/test_swiglu.py", "tests/ops/test_geglu.py", "tests/nn/test_mlp.py"),
+    "3": ("tests/ops/test_swiglu.py", "tests/ops/test_geglu.py", "tests/nn/test_mlp.py",
+          "tests/ops/test_tiled_mlp.py"),
     "4": ("tests/ops/test_rope.py", "tests/ops/test_embedding.py", "tests/nn/test_embedding.py",
+          "tests/ops/test_multimodal_rope.py", "tests/ops/test_llama4_rope.py",
           "tests/ops/test_attn_res.py", "tests/nn/test_attn_res.py"),
     "5": ("tests/ops/test_cross_entropy.py", "tests/nn/test_cross_entropy.py",
           "tests/ops/test_fused_linear_cross_entropy.py", "tests/nn/test_fused_linear_cross_entropy.py"),
     "6": ("tests/ops/test_kl_div.py", "tests/nn/test_kl_div.py", "tests/ops/test_jsd.py", "tests/nn/test_jsd.py",
-          "tests/ops/test_fused_linear_jsd.py"),
+          "tests/ops/test_fused_linear_jsd.py", "tests/ops/test_grpo_loss.py"),
     "7": ("tests/integrations/test_convergence.py",),
     "8": (  # patched models compiled and graph-captured, the harness, the command line
         "tests/integrations/test_patching.py", "tests/integrations/test_frameworks.py",
@@ -40,13 +42,25 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
-    "10": (  # row activations and TVD
-           "tests/ops/test_softmax.py", "tests/nn/test_softmax.py", "tests/ops/test_sparsemax.py",
-           "tests/nn/test_sparsemax.py", "tests/ops/test_relu_squared.py", "tests/nn/test_relu_squared.py",
-           "tests/ops/test_tvd.py", "tests/nn/test_tvd.py"),
+    "10": ("tests/ops/test_dyt.py", "tests/nn/test_dyt.py", "tests/ops/test_poly_norm.py", "tests/nn/test_poly_norm.py",
+           "tests/ops/test_modulated_rms_norm.py", "tests/nn/test_modulated_rms_norm.py",
+           "tests/ops/test_group_norm.py", "tests/nn/test_group_norm.py"),  # issue 16's norms
+    "11": ("tests/ops/test_fused_moe.py", "tests/nn/test_fused_moe.py", "tests/ops/test_mhc.py",
+           "tests/nn/test_mhc.py"),  # MoE and attention-side ops
+    "12": (  # post-training losses on the chunk driver
+        "tests/ops/test_chunked_head.py", "tests/ops/test_fused_linear_dpo.py", "tests/ops/test_fused_linear_simpo.py",
+        "tests/ops/test_fused_linear_orpo.py", "tests/ops/test_fused_linear_cpo.py",
+        "tests/ops/test_fused_linear_kto.py", "tests/ops/test_fused_linear_grpo.py",
+        "tests/ops/test_fused_linear_distill.py", "tests/nn/test_posttrain.py",
+    ),
+    "13": (  # row activations and TVD (issue 16)
+        "tests/ops/test_softmax.py", "tests/nn/test_softmax.py", "tests/ops/test_sparsemax.py",
+        "tests/nn/test_sparsemax.py", "tests/ops/test_relu_squared.py", "tests/nn/test_relu_squared.py",
+        "tests/ops/test_tvd.py", "tests/nn/test_tvd.py",
+    ),
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12", "13")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -31,7 +31,7 @@ from onca.device import DeviceProfile, get_profile
 
 __all__ = [
     "RowPlan", "ChunkPlan", "TilingError", "plan_rows", "plan_token_chunks", "next_power_of_2",
-    "MAX_TILE_ELEMENTS",
+    "MAX_TILE_ELEMENTS", "MatmulPlan", "plan_matmul",
 ]
 
 # Triton refuses tensors with more elements than this in one block.
@@ -113,25 +113,31 @@ def plan_rows(
     persistent: bool | None = None,
     max_block_rows: int | None = None,
     max_block_cols: int | None = None,
+    max_programs: int | None = None,
 ) -> RowPlan:
     """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
 
     ``persistent`` forces (or forbids) a grid capped at the compute units; by default the profile
     decides. Kernels that reduce across rows into per-program partial sums pass ``True`` so that
     the partial buffer stays small. ``max_block_rows`` / ``max_block_cols`` let a kernel cap its
-    tile where its own structure needs it (e.g. a rotary half width).
+    tile where its own structure needs it (e.g. a rotary half width). ``max_programs`` caps the
+    grid (the kernels loop over row blocks, so any grid covers every row): a reduction over all
+    rows done by one program can store its result instead of adding partial sums.
     """
     return _plan_rows(
         int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
-        persistent, max_block_rows, max_block_cols,
+        persistent, max_block_rows, max_block_cols, max_programs,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, max_block_rows,
-               max_block_cols) -> RowPlan:
+               max_block_cols, max_programs) -> RowPlan:
     if rows < 1 or cols < 1:
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
+    if max_programs is not None and max_programs < 1:
+        raise TilingError(f"max_programs must be at least 1, got {max_programs}")
+    units = profile.compute_units if max_programs is None else min(profile.compute_units, max_programs)
     if live_tiles < 0 or fp32_tiles < 0 or live_tiles + fp32_tiles < 1:
         raise TilingError(f"a kernel needs at least one live tile (live={live_tiles}, fp32={fp32_tiles})")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -162,7 +168,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
             min(profile.onchip_bytes // (bytes_per_col * block_cols), max_elements // block_cols)
         )
         # Keep at least one row block per compute unit, so that tall tiles never starve the device.
-        spread = _floor_power_of_2(max(1, rows // profile.compute_units))
+        spread = _floor_power_of_2(max(1, rows // units))
         block_rows = min(fit, spread, next_power_of_2(rows))
         if profile.tile_elements:
             block_rows = min(block_rows, _gpu_block_rows(profile, block_cols, is_persistent))
@@ -174,6 +180,8 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
     num_warps = _num_warps(profile, tile_elements, is_persistent)
     per_unit = max(1, profile.warps_per_unit // num_warps) if profile.warps_per_unit else 1
     grid = min(row_blocks, profile.compute_units * per_unit) if is_persistent else row_blocks
+    if max_programs is not None:
+        grid = min(grid, max_programs)
     return RowPlan(
         rows=rows,
         cols=cols,
@@ -254,3 +262,102 @@ def plan_token_chunks(tokens: int, bytes_per_token: int, budget_bytes: int, *, m
     chunk = min(chunk, tokens)
     n_chunks = math.ceil(tokens / chunk)
     return ChunkPlan(tokens, chunk, n_chunks, chunk * bytes_per_token, budget_bytes)
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How a tiled matmul kernel (``tl.dot`` over ``block_m x block_k`` and ``block_k x block_n``
+    tiles, fp32 accumulators) covers an ``(m, n, k)`` product on one profile."""
+
+    m: int
+    n: int
+    k: int
+    block_m: int
+    block_n: int
+    block_k: int
+    accumulators: int
+    num_warps: int
+    num_stages: int
+    tile_bytes: int
+    onchip_bytes: int
+    profile: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.m} x {self.n} x {self.k} on {self.profile}: tiles {self.block_m} x {self.block_n} "
+            f"(k step {self.block_k}, {self.accumulators} fp32 accumulator(s)), "
+            f"{self.tile_bytes} of {self.onchip_bytes} on-chip bytes, {self.num_stages} stage(s), "
+            f"{self.num_warps} warps"
+        )
+
+
+# tl.dot needs every tile dimension to be at least 16.
+_MIN_DOT = 16
+# The largest tile sides tried first; the budget and the problem's own size shrink them.
+_MAX_DOT_M, _MAX_DOT_N, _MAX_DOT_K = 128, 128, 64
+# Registers bound a GPU program's accumulators: at most this many fp32 accumulator elements
+# (128 x 128, 64 registers a thread over 8 warps) before they spill.
+_GPU_ACC_ELEMENTS = 128 * 128
+
+
+def plan_matmul(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    profile: DeviceProfile | None = None,
+    *,
+    accumulators: int = 1,
+    epilogue_tiles: int = 0,
+    block_m: int | None = None,
+) -> MatmulPlan:
+    """Plan a tiled matmul ``(m, k) @ (k, n)`` in ``dtype`` with ``accumulators`` fp32 output tiles
+    (two for a gated product computed in one pass) and ``epilogue_tiles`` more fp32 output-sized
+    tiles alive in the epilogue. ``block_m`` fixes the row tile (kernels that share a row tiling).
+
+    Each side starts at the largest tile (128 x 128, k step 64), no larger than the problem needs
+    (and never below 16, ``tl.dot``'s minimum); the largest side is halved until the operand tiles
+    (times the pipeline's stages) and the fp32 tiles fit the profile's on-chip budget.
+    """
+    profile = profile or get_profile()
+    return _plan_matmul(int(m), int(n), int(k), dtype, profile, int(accumulators), int(epilogue_tiles),
+                        None if block_m is None else int(block_m))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m) -> MatmulPlan:
+    if accumulators < 1:
+        raise TilingError(f"a matmul needs at least one accumulator, got {accumulators}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    side = lambda size, largest: max(_MIN_DOT, min(largest, next_power_of_2(max(1, size))))  # noqa: E731
+    bm = block_m if block_m is not None else side(m, _MAX_DOT_M)
+    bn, bk = side(n, _MAX_DOT_N), side(k, _MAX_DOT_K)
+    stages = 3 if profile.kind == "cuda" else 1
+    fp32_tiles = accumulators + epilogue_tiles
+
+    def cost(bm, bn, bk):
+        return (bm * bk + accumulators * bn * bk) * itemsize * stages + fp32_tiles * bm * bn * 4
+
+    def acc_ok(bm, bn):
+        return profile.kind != "cuda" or accumulators * bm * bn <= _GPU_ACC_ELEMENTS
+
+    while cost(bm, bn, bk) > profile.onchip_bytes or not acc_ok(bm, bn):
+        if bk > _MIN_DOT and bk >= max(bn, bm if block_m is None else 0) // 2:
+            bk //= 2
+        elif bn > _MIN_DOT and (block_m is not None or bn >= bm):
+            bn //= 2
+        elif block_m is None and bm > _MIN_DOT:
+            bm //= 2
+        elif bk > _MIN_DOT:
+            bk //= 2
+        else:
+            raise TilingError(
+                f"the smallest matmul tiles ({bm} x {bn}, k step {bk}, {accumulators} accumulator(s)) "
+                f"need {cost(bm, bn, bk)} bytes, more than the {profile.onchip_bytes}-byte on-chip "
+                f"budget of profile {profile.name!r}"
+            )
+    warps = 8 if profile.kind == "cuda" and accumulators * bm * bn >= 128 * 128 else 4
+    if profile.kind != "cuda":
+        warps = 1 if profile.kind == "cpu" else 4
+    return MatmulPlan(m, n, k, bm, bn, bk, accumulators, warps, stages, cost(bm, bn, bk),
+                      profile.onchip_bytes, profile.name)

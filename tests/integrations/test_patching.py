@@ -211,13 +211,13 @@ def _wrap_forward(model, seen):
     return model.forward
 
 
-def test_apply_wraps_the_instance_forward_and_unapply_restores_it():
+def test_apply_wraps_the_instance_forward_and_unapply_restores_it(device):
     seen = []
-    model = _model("llama").train()
+    model = _model("llama", device).train()
     wrapper = _wrap_forward(model, seen)
     onca.apply(model)
     assert model.forward is not wrapper and model._onca_kernels["fused_linear_cross_entropy"] == 1
-    x = torch.randint(0, 256, (2, 8))
+    x = torch.randint(0, 256, (2, 8), device=device)
     # A keyword Onca does not own goes to the wrapper, labels and all.
     assert model(input_ids=x, labels=x, extra_head=True) == "extra head" and seen == [True]
     out = model(input_ids=x, labels=x)  # Onca's loss path: the wrapper is not called

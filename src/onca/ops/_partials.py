@@ -7,6 +7,9 @@ result does not depend on their order (``0 + a + b == 0 + b + a`` exactly, float
 being commutative), so this halves the buffer and stays bitwise deterministic. ``sum_partials``
 then adds the rows in a fixed order, column tiles in parallel (``torch.sum`` over dim 0 of a few
 hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB).
+
+At host-bound sizes (a few rows) the zero fill and the summing launch cost more than the work:
+there one program reduces every row and stores the gradient itself (``DIRECT``), one launch in all.
 """
 
 from __future__ import annotations
@@ -45,9 +48,14 @@ def partial_row(buffer_ptr, n_cols):
 
 
 @triton.jit
-def accumulate_partial(row_ptr, cols, values, mask):
-    """Add ``values`` into this program's partial row (order-independent: two adds to a zero)."""
-    tl.atomic_add(row_ptr + cols, values, mask=mask, sem="relaxed")
+def accumulate_partial(row_ptr, cols, values, mask, DIRECT: tl.constexpr):
+    """Add ``values`` into this program's partial row (order-independent: two adds to a zero), or,
+    with ``DIRECT`` (a grid of one program, whose sums are the whole result), store them in the
+    buffer's dtype: the buffer is then the gradient itself."""
+    if DIRECT:
+        tl.store(row_ptr + cols, values.to(row_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(row_ptr + cols, values, mask=mask, sem="relaxed")
 
 
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

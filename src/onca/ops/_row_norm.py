@@ -7,6 +7,9 @@ partial rows. A kernel takes its plan as the constexprs ``BLOCK_ROWS``, ``BLOCK_
 ``COL_TILES``; a backward kernel's last pointer arguments are its partial buffers, in the order of
 ``grad_dtypes``, then the scratch.
 
+Up to ``DIRECT_MAX_ELEMENTS`` elements the backward runs as one program that stores the parameter
+gradients itself (``DIRECT_PARTIALS``): no fill, no summing launch, where the host path is the cost.
+
 Callers launch only with at least one row and one column (a plan of nothing is an error, and a
 zero-size grid is never launched).
 """
@@ -18,7 +21,11 @@ import torch
 from onca.ops._partials import partial_buffer, sum_partials
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["launch_backward", "launch_forward"]
+__all__ = ["DIRECT_MAX_ELEMENTS", "launch_backward", "launch_forward"]
+
+# 64K elements (16 rows of 4096, 64 of 1024): one program reads them in a few microseconds, less
+# than the two launches it saves on the host.
+DIRECT_MAX_ELEMENTS = 1 << 16
 
 
 def _plan_constexprs(p: RowPlan) -> dict:
@@ -41,10 +48,17 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     ``row_stats``: how many fp32 values per row the column-tiled path keeps between its two phases.
     ``stand_in``: an fp32 tensor on the device, passed for any buffer this plan never touches.
     """
-    p = plan_rows(rows, cols, dtype, persistent=True, **tiles)
+    direct = rows * cols <= DIRECT_MAX_ELEMENTS
+    p = plan_rows(rows, cols, dtype, persistent=True, max_programs=1 if direct else None, **tiles)
     device = stand_in.device
-    partials = [stand_in if d is None else partial_buffer(p.grid, cols, device) for d in grad_dtypes]
+    if direct:
+        partials = [stand_in if d is None else torch.empty((1, cols), dtype=d, device=device)
+                    for d in grad_dtypes]
+    else:
+        partials = [stand_in if d is None else partial_buffer(p.grid, cols, device) for d in grad_dtypes]
     scratch = (stand_in if p.single_pass
                else torch.empty(row_stats * rows, dtype=torch.float32, device=device))
-    kernel[(p.grid,)](*args, *partials, scratch, **constexprs, **_plan_constexprs(p))
+    kernel[(p.grid,)](*args, *partials, scratch, DIRECT_PARTIALS=direct, **constexprs, **_plan_constexprs(p))
+    if direct:
+        return [None if d is None else buf.view(cols) for buf, d in zip(partials, grad_dtypes)]
     return [None if d is None else sum_partials(buf, d) for buf, d in zip(partials, grad_dtypes)]

@@ -143,6 +143,7 @@ def _layer_norm_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    DIRECT_PARTIALS: tl.constexpr,
 ):
     # With xhat = (x - mean) * rstd and g = w * dy:
     #   dx = (g - xhat * mean(g * xhat) - mean(g)) * rstd,  dW = sum_rows dy * xhat,  dB = sum_rows dy
@@ -186,9 +187,9 @@ def _layer_norm_backward_kernel(
             tl.store(dx_ptr + rows64 * dx_row_stride + col_offsets[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask)
+            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask, DIRECT_PARTIALS)
         if COMPUTE_DB:
-            accumulate_partial(db_row, col_offsets, db_acc, col_mask)
+            accumulate_partial(db_row, col_offsets, db_acc, col_mask, DIRECT_PARTIALS)
     else:
         # Phase 1, row by row: c1 = mean(g * xhat) and c2 = mean(g) of each of this program's
         # rows, kept in `c_ptr` (c1 at [row], c2 at [n_rows + row]).
@@ -250,9 +251,9 @@ def _layer_norm_backward_kernel(
                 if COMPUTE_DB:
                     db_acc += tl.sum(dy, axis=0)
             if COMPUTE_DW:
-                accumulate_partial(dw_row, cols, dw_acc, col_mask)
+                accumulate_partial(dw_row, cols, dw_acc, col_mask, DIRECT_PARTIALS)
             if COMPUTE_DB:
-                accumulate_partial(db_row, cols, db_acc, col_mask)
+                accumulate_partial(db_row, cols, db_acc, col_mask, DIRECT_PARTIALS)
 
 
 # --------------------------------------------------------------------------------------- launchers

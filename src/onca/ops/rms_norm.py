@@ -174,6 +174,7 @@ def _rms_norm_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    DIRECT_PARTIALS: tl.constexpr,
 ):
     # x is the normalised input (h = x + residual for the fused op).
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -211,7 +212,7 @@ def _rms_norm_backward_kernel(
             tl.store(dx_ptr + rows64 * dx_row_stride + col_offsets[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
-            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask)
+            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask, DIRECT_PARTIALS)
     else:
         # Phase 1, row by row: c = mean(dn * n) of each of this program's rows, kept in `c_ptr`.
         for row_block in tl.range(pid, n_row_blocks, n_programs):
@@ -258,7 +259,7 @@ def _rms_norm_backward_kernel(
                 if HAS_WEIGHT:
                     dw_acc += tl.sum(dy * n, axis=0)
             if HAS_WEIGHT:
-                accumulate_partial(dw_row, cols, dw_acc, col_mask)
+                accumulate_partial(dw_row, cols, dw_acc, col_mask, DIRECT_PARTIALS)
 
 
 # --------------------------------------------------------------------------------------- launchers

@@ -71,22 +71,29 @@ TILES = dict(live_tiles=4, fp32_tiles=4 + 8)
 def _rotate_heads(
     x_ptr, y_ptr, x_tok, y_tok, row_mask, n_heads, x_sh, y_sh,
     j, j_mask, c1, c2, a, b,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Rotate every head of the tokens ``x_tok`` (row offsets) in blocks of ``BLOCK_H`` heads."""
+    """Rotate every head of the tokens ``x_tok`` (row offsets) in blocks of ``BLOCK_H`` heads; the
+    pair of column ``j`` is ``(j, j + HALF)``, or ``(2j, 2j + 1)`` when ``INTERLEAVED``."""
+    if INTERLEAVED:
+        first = 2 * j
+        second = 1
+    else:
+        first = j
+        second = HALF
     h_range = tl.arange(0, BLOCK_H)
     for h0 in tl.range(0, n_heads, BLOCK_H):
         heads = h0 + h_range
         h64 = heads.to(tl.int64)
         mask = row_mask[:, None, None] & (heads < n_heads)[None, :, None] & j_mask[None, None, :]
-        x_off = x_tok[:, None, None] + (h64 * x_sh)[None, :, None] + j[None, None, :]
-        y_off = y_tok[:, None, None] + (h64 * y_sh)[None, :, None] + j[None, None, :]
+        x_off = x_tok[:, None, None] + (h64 * x_sh)[None, :, None] + first[None, None, :]
+        y_off = y_tok[:, None, None] + (h64 * y_sh)[None, :, None] + first[None, None, :]
         x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_off + second, mask=mask, other=0.0).to(tl.float32)
         y1 = x1 * c1 + x2 * a
         y2 = x2 * c2 + x1 * b
         tl.store(y_ptr + y_off, y1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_off + HALF, y2.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_off + second, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -112,9 +119,15 @@ def _rope_kernel(
     xq_sb, xq_ss, xq_sh, yq_sb, yq_ss, yq_sh,
     xk_sb, xk_ss, xk_sh, yk_sb, yk_ss, yk_sh,
     cos_sb, cos_ss, sin_sb, sin_ss,
+    cos_st, sin_st, cos_sc, sin_sc,
     HALF: tl.constexpr,
     PASS: tl.constexpr,
     BACKWARD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    MROPE: tl.constexpr,
+    SEC_T: tl.constexpr,
+    SEC_H: tl.constexpr,
+    SEC_W: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -127,6 +140,19 @@ def _rope_kernel(
     ``dx[:h] = dy[:h] * c1 + dy[h:] * s2``, ``dx[h:] = dy[h:] * c2 - dy[:h] * s1``. Both are
     ``y1 = x1 * c1 + x2 * a`` and ``y2 = x2 * c2 + x1 * b`` with ``(a, b)`` = ``(-s1, s2)`` or
     ``(s2, -s1)``.
+
+    Variants (constexpr; the plain RoPE above is ``INTERLEAVED=False, MROPE=0``):
+
+    - ``INTERLEAVED`` (Llama 4's complex form): the pair of element ``j`` is ``(x[2j], x[2j+1])``
+      instead of ``(x[j], x[j+HALF])``, and cos/sin rows are ``HALF`` wide (one value per pair:
+      ``c2 = c1``, ``s2 = s1``); ``cos_sc``/``sin_sc`` are their column strides (2 when they are
+      the real and imaginary parts of a complex tensor, read in place).
+    - ``MROPE`` (Qwen2-VL's multimodal RoPE): cos/sin hold three position streams (temporal,
+      height, width) ``cos_st``/``sin_st`` apart, and column ``j`` of each half reads stream
+      ``0``/``1``/``2`` by section: ``MROPE == 1`` contiguous sections ``[0, SEC_T)``,
+      ``[SEC_T, SEC_T + SEC_H)``, the rest; ``MROPE == 2`` interleaved as Qwen3-VL lays them out
+      (``j % 3 == 1`` and ``j < 3 * SEC_H``: height; ``j % 3 == 2`` and ``j < 3 * SEC_W``: width;
+      else temporal).
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -149,12 +175,28 @@ def _rope_kernel(
             j_mask = j < HALF
             cs_mask = row_mask[:, None] & j_mask[None, :]
             # One load of each cos/sin half per token, shared by all heads of q and k.
-            cos_at = cos_ptr + cos_tok[:, None] + j[None, :]
-            sin_at = sin_ptr + sin_tok[:, None] + j[None, :]
+            j64 = j.to(tl.int64)
+            cos_col = j64 * cos_sc
+            sin_col = j64 * sin_sc
+            if MROPE == 1:
+                stream = (j >= SEC_T).to(tl.int64) + (j >= SEC_T + SEC_H).to(tl.int64)
+                cos_col += stream * cos_st
+                sin_col += stream * sin_st
+            elif MROPE == 2:
+                r3 = j % 3
+                stream = tl.where((r3 == 1) & (j < 3 * SEC_H), 1, tl.where((r3 == 2) & (j < 3 * SEC_W), 2, 0))
+                cos_col += stream.to(tl.int64) * cos_st
+                sin_col += stream.to(tl.int64) * sin_st
+            cos_at = cos_ptr + cos_tok[:, None] + cos_col[None, :]
+            sin_at = sin_ptr + sin_tok[:, None] + sin_col[None, :]
             c1 = tl.load(cos_at, mask=cs_mask, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_at + HALF, mask=cs_mask, other=0.0).to(tl.float32)
             s1 = tl.load(sin_at, mask=cs_mask, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_at + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+            if INTERLEAVED:
+                c2 = c1
+                s2 = s1
+            else:
+                c2 = tl.load(cos_at + HALF * cos_sc, mask=cs_mask, other=0.0).to(tl.float32)
+                s2 = tl.load(sin_at + HALF * sin_sc, mask=cs_mask, other=0.0).to(tl.float32)
             if BACKWARD:
                 a = s2
                 b = -s1
@@ -166,9 +208,9 @@ def _rope_kernel(
             a = a[:, None, :]
             b = b[:, None, :]
             _rotate_heads(xq_ptr, yq_ptr, xq_tok, yq_tok, row_mask, n_q_heads, xq_sh, yq_sh,
-                          j, j_mask, c1, c2, a, b, HALF, BLOCK_HQ)
+                          j, j_mask, c1, c2, a, b, HALF, INTERLEAVED, BLOCK_HQ)
             _rotate_heads(xk_ptr, yk_ptr, xk_tok, yk_tok, row_mask, n_kv_heads, xk_sh, yk_sh,
-                          j, j_mask, c1, c2, a, b, HALF, BLOCK_HK)
+                          j, j_mask, c1, c2, a, b, HALF, INTERLEAVED, BLOCK_HK)
         if PASS > 0:
             for p0 in tl.static_range(0, PASS, BLOCK_P):
                 p = 2 * HALF + p0 + tl.arange(0, BLOCK_P)
@@ -324,11 +366,25 @@ def _promoted(x: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
+def _stream_strides(t: Tensor) -> tuple[Tensor, int]:
+    """A multimodal table ``(3, batch, seq, width)`` as its temporal stream ``(batch, seq, width)``
+    (a view) and the stride between streams; a plain 3-D table is its own only stream."""
+    if t.dim() == 4:
+        return t[0], t.stride(0)
+    return t, 0
+
+
 def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: Tensor, yk: Tensor,
-            heads_first: bool, backward: bool) -> None:
+            heads_first: bool, backward: bool, interleaved: bool = False,
+            mrope: int = 0, sections: tuple[int, int, int] = (0, 0, 0)) -> None:
     """One launch over ``q`` and ``k`` (or, when ``backward``, their outputs' gradients), writing
     ``yq``/``yk``; ``yq is xq`` computes in place (every element is loaded before its own store).
-    An absent side (``None``: a gradient that never came) is skipped as a side with no heads."""
+    An absent side (``None``: a gradient that never came) is skipped as a side with no heads.
+
+    ``cos``/``sin`` are ``(1 or batch, seq, width)``, or ``(3, 1 or batch, seq, width)`` with
+    ``mrope`` 1 or 2 (the kernel's ``MROPE``; ``sections`` its ``SEC_T, SEC_H, SEC_W``). With
+    ``interleaved`` (Llama 4) their width is half the rotary dim and any column stride is read in
+    place (the real and imaginary parts of a complex table)."""
     present = xq if xq is not None else xk
     batch, seq, _, head_dim = _bshd(present, heads_first)
     hq = 0 if xq is None else _bshd(xq, heads_first)[2]
@@ -338,16 +394,23 @@ def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: 
     # The absent side's pointers stand in for nothing: with no heads the kernel never reads them.
     xq, yq = (xq, yq) if xq is not None else (xk, yk)
     xk, yk = (xk, yk) if xk is not None else (xq, yq)
-    xq, xk, cos, sin = _unit_last(xq), _unit_last(xk), _unit_last(cos), _unit_last(sin)
+    xq, xk = _unit_last(xq), _unit_last(xk)
+    if not interleaved:
+        cos, sin = _unit_last(cos), _unit_last(sin)
+    cos, cos_st = _stream_strides(cos)
+    sin, sin_st = _stream_strides(sin)
     dtype = _widest(xq.dtype, xk.dtype, yq.dtype, yk.dtype)
-    t = tiles(batch * seq, hq or hk, hk or hq, head_dim, cos.shape[-1], dtype)
+    rotary_dim = cos.shape[-1] * (2 if interleaved else 1)
+    t = tiles(batch * seq, hq or hk, hk or hq, head_dim, rotary_dim, dtype)
     _rope_kernel[(t.plan.grid,)](
         xq, xk, yq, yk, cos, sin,
         batch * seq, seq, hq, hk,
         *_bsh_strides(xq, heads_first), *_bsh_strides(yq, heads_first),
         *_bsh_strides(xk, heads_first), *_bsh_strides(yk, heads_first),
         *_cs_strides(cos), *_cs_strides(sin),
+        cos_st, sin_st, cos.stride(-1), sin.stride(-1),
         HALF=t.half, PASS=t.pass_cols, BACKWARD=backward,
+        INTERLEAVED=interleaved, MROPE=mrope, SEC_T=sections[0], SEC_H=sections[1], SEC_W=sections[2],
         BLOCK_T=t.block_t, BLOCK_HQ=t.block_hq, BLOCK_HK=t.block_hk, BLOCK_J=t.block_j,
         BLOCK_P=t.block_p,
         num_warps=t.plan.num_warps,

@@ -1,0 +1,483 @@
+"""The one chunk driver of the post-training losses: per-token log-probabilities (and entropies)
+of ``hidden @ weight.T + bias`` without the ``(tokens, vocab)`` logits ever existing in full.
+
+Every post-training loss of Onca (``fused_linear_dpo``, ``_simpo``, ``_orpo``, ``_cpo``, ``_kto``,
+``_grpo``) is a function of per-token log-probabilities ``logp[t] = log_softmax(z_t)[y_t]`` with
+``z_t = (hidden[t] @ weight.T + bias) / temperature``; distillation (``fused_linear_distill``)
+needs whole rows of both models' log-softmaxes and uses the same chunk loop with a row kernel of
+its own. This module owns
+
+- the chunk plan (tokens per chunk from the free device memory, as fused linear cross entropy:
+  :func:`onca.ops.fused_linear_cross_entropy.chunk_plan`);
+- :func:`head_logits` (one chunk's logits by one matmul into a reused scratch in the input dtype)
+  and :func:`chunk_loop`, which runs the chunks and accumulates ``dHidden`` (per chunk, by matmul),
+  ``dWeight`` and ``dBias`` (fp32 for bf16/fp16 heads, cast once at the end) from whatever
+  gradient a visitor writes over each chunk's logits;
+- two Triton kernels: the per-token statistics (online log-sum-exp over column tiles, the target's
+  logit, optionally the entropy) and the gradient of ``sum_t g_lp[t] * logp[t] + g_ent[t] *
+  entropy[t]`` w.r.t. the logits, written over the chunk's logits;
+- the custom ops ``onca::chunked_logprob_forward`` / ``onca::chunked_logprob_backward`` and
+  :func:`chunked_logprobs`, the differentiable entry point the losses call.
+
+Interface (for the losses here, and for a TRL ``_ChunkedLogProbFunction``-style kernel later)::
+
+    logp, entropy = chunked_logprobs(hidden, weight, labels, bias=None, *, ignore_index=-100,
+                                     temperature=1.0, entropy=False, chunk_tokens=None)
+
+``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``labels`` ``(...)`` int (already aligned with
+``hidden``: position ``t`` is scored against ``labels[t]``). Returns fp32 ``logp`` shaped like
+``labels`` (0 where the label is ``ignore_index``; NaN for a label outside ``[0, V)``) and the fp32
+entropy of ``softmax(z_t)`` (0 where ignored) or None. Both are differentiable: their gradients
+reach ``hidden``, ``weight`` and ``bias``.
+
+Why two passes (per-token statistics in forward, recomputed logits in backward) rather than the
+gradient computed in forward as fused linear cross entropy does: a preference or RL loss's gradient
+w.r.t. a token's log-probability is known only once every sequence's sum is known (DPO's sigmoid of
+a chosen-rejected margin, KTO's batch KL, GRPO's token-count normalisations), so an in-forward
+gradient would need per-loss knowledge inside the chunk loop, or chunks aligned with whole
+sequence pairs (liger-kernel's way: chunk sizes then grow with sequence length). Here the forward
+pass keeps one fp32 ``lse`` (and entropy) per token and nothing of the logits; the loss itself is
+plain torch on ``(tokens,)`` and ``(sequences,)`` tensors (graph-friendly: no host syncs, any loss
+composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one extra head matmul
+per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype)
+plus the fp32 ``dWeight`` accumulator; the reference model's pass is forward only (1 matmul).
+
+Gradient (per token, ``p = softmax(z)``, ``zbar = sum_j p_j z_j = lse - entropy``)::
+
+    dlogits_j = (g_lp * ([j == y] - p_j) - g_ent * p_j * (z_j - zbar)) / temperature
+
+Saved for backward: the inputs (already alive in the caller's graph), the fp32 ``lse`` and
+entropy per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onca.device import DeviceProfile, accelerator
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._matmul import has_fp32_out_dtype
+from onca.ops._rows import as_rows
+from onca.ops._validate import (
+    check_bool,
+    check_float,
+    check_index,
+    check_number,
+    check_same_device,
+    check_tensor,
+)
+from onca.ops.fused_linear_cross_entropy import chunk_plan as _flce_chunk_plan
+from onca.tiling import ChunkPlan, RowPlan, plan_rows
+
+__all__ = [
+    "TILES",
+    "accumulate_dw",
+    "chunk_loop",
+    "chunk_plan",
+    "chunked_logprobs",
+    "head_inputs",
+    "head_logits",
+    "plan",
+    "validate_head",
+]
+
+# Live tiles of both kernels: the logits tile as loaded and the gradient as stored (input dtype);
+# the fp32 logits, their exponentials, the gradient and one temporary (fp32).
+TILES = dict(live_tiles=2, fp32_tiles=4)
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _logprob_stats_kernel(
+    x_ptr, target_ptr, logp_ptr, lse_ptr, ent_ptr,
+    n_rows, n_cols, x_row_stride, ignore_index, inv_t,
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    """Per row: ``lse`` of ``z = x * inv_t`` (online over the column tiles), ``logp = z_y - lse``
+    and, with ``HAS_ENTROPY``, ``lse - sum_j p_j z_j``. Ignored rows load nothing and get 0; a
+    target outside ``[0, n_cols)`` gets a NaN ``logp`` and is never used as an offset."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+        valid = row_mask & (y != ignore_index)
+        bad = valid & ((y < 0) | (y >= n_cols))
+        readable = valid & ~bad
+        y = tl.where(readable, y, 0)
+        rows64 = rows.to(tl.int64)
+        x_y = tl.load(x_ptr + rows64 * x_row_stride + y.to(tl.int64), mask=readable, other=0.0)
+        z_y = x_y.to(tl.float32) * inv_t
+        x_rows = x_ptr + rows64[:, None] * x_row_stride
+        m = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+        d = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        s = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        for tile in range(COL_TILES):
+            cols = tile * BLOCK_COLS + col_offsets
+            mask = valid[:, None] & (cols < n_cols)[None, :]
+            z = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * inv_t
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            # Rows with nothing loaded yet keep m = -inf: shift them by 0 (no -inf - -inf).
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - shift)
+            e = tl.exp(z - shift[:, None])
+            d = d * alpha + tl.sum(e, axis=1)
+            if HAS_ENTROPY:
+                s = s * alpha + tl.sum(e * tl.where(mask, z, 0.0), axis=1)
+            m = m_new
+        m = tl.where(valid, m, 0.0)
+        d = tl.where(valid, d, 1.0)
+        lse = tl.where(valid, m + tl.log(d), 0.0)
+        logp = tl.where(bad, float("nan"), tl.where(valid, z_y - lse, 0.0))
+        tl.store(logp_ptr + rows, logp, mask=row_mask)
+        tl.store(lse_ptr + rows, lse, mask=row_mask)
+        if HAS_ENTROPY:
+            tl.store(ent_ptr + rows, tl.where(valid, lse - s / d, 0.0), mask=row_mask)
+
+
+@triton.jit
+def _logprob_grad_kernel(
+    x_ptr, grad_ptr, target_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,
+    n_rows, n_cols, x_row_stride, grad_row_stride, ignore_index, inv_t,
+    HAS_ENT_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    """``grad = (g_lp * (onehot(y) - p) - g_ent * p * (z - zbar)) * inv_t`` per row, from the saved
+    ``lse`` (and entropy); zero rows where ignored. ``grad_ptr`` may be ``x_ptr``: each tile is read
+    before it is written and no other program touches the row."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+        valid = row_mask & (y != ignore_index)
+        bad = valid & ((y < 0) | (y >= n_cols))
+        # A column never equals -1: rows that are ignored or bad take no one-hot term.
+        y = tl.where(valid & ~bad, y, -1)
+        lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+        g_lp = tl.load(g_lp_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        g_lp = tl.where(bad, float("nan"), g_lp)
+        if HAS_ENT_GRAD:
+            g_ent = tl.load(g_ent_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+            zbar = lse - tl.load(ent_ptr + rows, mask=valid, other=0.0)
+        rows64 = rows.to(tl.int64)
+        x_rows = x_ptr + rows64[:, None] * x_row_stride
+        g_rows = grad_ptr + rows64[:, None] * grad_row_stride
+        for tile in range(COL_TILES):
+            cols = tile * BLOCK_COLS + col_offsets
+            col_mask = cols < n_cols
+            mask = valid[:, None] & col_mask[None, :]
+            z = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * inv_t
+            p = tl.where(mask, tl.exp(z - lse[:, None]), 0.0)
+            g = -p * g_lp[:, None]
+            g = tl.where(cols[None, :] == y[:, None], g + g_lp[:, None], g)
+            if HAS_ENT_GRAD:
+                g -= (p * g_ent[:, None]) * (z - zbar[:, None])
+            g = g * inv_t
+            tl.store(g_rows + cols[None, :], g.to(grad_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & col_mask[None, :])
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+
+def chunk_plan(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *, accum_fp32: bool = True,
+               chunk_tokens: int | None = None, device=None) -> ChunkPlan:
+    """Tokens per chunk: one row of logits in ``dtype`` per token is the scratch; the default aims
+    at fused linear cross entropy's ``CHUNK_TOKENS`` (twice that for an fp32 ``dWeight``), capped
+    by a share of the free device memory. ``chunk_tokens`` overrides it."""
+    return _flce_chunk_plan(tokens, hidden, vocab, dtype, accum_bytes=4 if accum_fp32 else None,
+                            chunk_tokens=chunk_tokens or None, device=device)
+
+
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, ChunkPlan | RowPlan]:
+    """Plans for ``shape = (tokens, hidden, vocab)``: the token chunks (from this machine's free
+    accelerator memory) and the two kernels' tiling of one chunk of logits."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3:
+        raise ValueError(f"chunked log-prob plans take shape (tokens, hidden, vocab), got {shape}")
+    tokens, hidden, vocab = shape
+    chunks = chunk_plan(tokens, hidden, vocab, dtype, device=accelerator())
+    rows = plan_rows(chunks.chunk, vocab, dtype, profile=profile, **TILES)
+    return {"chunks": chunks, "logprob": rows, "logprob_grad": rows}
+
+
+# ------------------------------------------------------------------------------------ chunk driver
+
+
+def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+    """``out = h @ weight.T + bias`` (``out`` a scratch slice: the input dtype, or fp32 for
+    bf16/fp16 operands, then without rounding the product where torch can)."""
+    if out.dtype == h.dtype:
+        if bias is None:
+            return torch.mm(h, weight.t(), out=out)
+        return torch.addmm(bias, h, weight.t(), out=out)
+    if has_fp32_out_dtype(h.device.type, h.dtype):
+        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    elif h.device.type == "cpu":
+        torch.mm(h.float(), weight.t().float(), out=out)
+    else:
+        out.copy_(torch.mm(h, weight.t()))
+    if bias is not None:
+        out += bias
+    return out
+
+
+def accumulate_dw(dw: Tensor, g: Tensor, h: Tensor) -> None:
+    """``dw += g.T @ h`` with ``dw`` fp32 (or the weight's own fp32): without rounding the product
+    to the inputs' dtype where torch can (CUDA's fp32-output matmul; upcast operands on the CPU)."""
+    if g.dtype == dw.dtype:
+        dw.addmm_(g.t(), h.to(g.dtype))
+    elif has_fp32_out_dtype(dw.device.type, g.dtype):
+        torch.addmm(dw, g.t(), h, out_dtype=torch.float32, out=dw)
+    elif dw.device.type == "cpu":
+        dw.addmm_(g.t().float(), h.float())
+    else:
+        dw.add_(torch.mm(g.t(), h))
+
+
+def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: ChunkPlan, visit, *,
+               dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None,
+               logits_dtype: torch.dtype | None = None) -> None:
+    """Run the chunks of consecutive tokens of the 2-D ``hidden``: each chunk's logits by one matmul
+    into a reused scratch (``logits_dtype``, default the input dtype), then ``visit(logits, start,
+    end)``, which reads them and, when any of ``dx``/``dw``/``db`` is given, returns
+    ``dLoss/dLogits`` in the input dtype (usually written over the logits themselves; ``None``
+    means the logits buffer holds it), zero rows for tokens that take no gradient; then
+    ``dx[chunk] = g @ W``, ``dw += g.T @ h``, ``db += g.sum(0)``."""
+    vocab = weight.shape[0]
+    scratch = torch.empty((chunks.chunk, vocab), dtype=logits_dtype or hidden.dtype, device=hidden.device)
+    for index in range(chunks.n_chunks):
+        start, end = chunks.bounds(index)
+        h = hidden[start:end]
+        logits = head_logits(h, weight, bias, scratch[: end - start])
+        g = visit(logits, start, end)
+        g = logits if g is None else g
+        if dx is not None:
+            torch.mm(g, weight, out=dx[start:end])
+        if dw is not None:
+            accumulate_dw(dw, g, h)
+        if db is not None:
+            db += g.sum(dim=0, dtype=torch.float32)
+
+
+def _launch_stats(logits, target, logp, lse, ent, ignore_index, temperature) -> None:
+    rows, cols = logits.shape
+    p = plan_rows(rows, cols, logits.dtype, **TILES)
+    _logprob_stats_kernel[(p.grid,)](
+        logits, target, logp, lse, ent if ent is not None else lse,
+        rows, cols, logits.stride(0), ignore_index, 1.0 / temperature,
+        HAS_ENTROPY=ent is not None, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
+        COL_TILES=p.col_tiles, num_warps=p.num_warps,
+    )
+
+
+def _launch_grad(logits, target, lse, ent, g_lp, g_ent, ignore_index, temperature) -> None:
+    rows, cols = logits.shape
+    p = plan_rows(rows, cols, logits.dtype, **TILES)
+    _logprob_grad_kernel[(p.grid,)](
+        logits, logits, target, lse, ent if g_ent is not None else lse, g_lp,
+        g_ent if g_ent is not None else g_lp,
+        rows, cols, logits.stride(0), logits.stride(0), ignore_index, 1.0 / temperature,
+        HAS_ENT_GRAD=g_ent is not None, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
+        COL_TILES=p.col_tiles, num_warps=p.num_warps,
+    )
+
+
+# -------------------------------------------------------------------------------------- custom ops
+
+
+@custom_op("chunked_logprob_forward")
+def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                            ignore_index: int, temperature: float, entropy: bool,
+                            chunk_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp, lse, entropy)`` per token of the 2-D ``hidden`` (fp32; ``entropy`` empty unless
+    asked for). One head matmul per chunk and the statistics kernel; nothing else is kept."""
+    tokens = hidden.shape[0]
+    logp = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty(tokens if entropy else 0, dtype=torch.float32, device=hidden.device)
+    if tokens:
+        chunks = chunk_plan(tokens, hidden.shape[1], weight.shape[0], hidden.dtype, accum_fp32=False,
+                            chunk_tokens=chunk_tokens, device=hidden.device)
+
+        def visit(logits, start, end):
+            _launch_stats(logits, target[start:end], logp[start:end], lse[start:end],
+                          ent[start:end] if entropy else None, ignore_index, temperature)
+
+        chunk_loop(hidden, weight, bias, chunks, visit)
+    return logp, lse, ent
+
+
+@chunked_logprob_forward.register_fake
+def _(hidden, weight, bias, target, ignore_index, temperature, entropy, chunk_tokens):
+    tokens = hidden.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return hidden.new_empty(tokens, **f32), hidden.new_empty(tokens, **f32), hidden.new_empty(
+        tokens if entropy else 0, **f32)
+
+
+@custom_op("chunked_logprob_backward")
+def chunked_logprob_backward(grad_logp: Tensor, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
+                             bias: Tensor | None, target: Tensor, lse: Tensor, entropy: Tensor,
+                             ignore_index: int, temperature: float, chunk_tokens: int, grad_hidden: bool,
+                             grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)`` for per-token incoming gradients of ``logp`` (and of the
+    entropy, when given): each chunk's logits recomputed, their gradient written over them by one
+    kernel, then the gradient matmuls; ``dweight``/``dbias`` accumulate in fp32. Empty tensors for
+    the gradients not asked for."""
+    tokens, width = hidden.shape
+    dx = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grad_hidden else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device) if grad_weight else None
+    db = torch.zeros(bias.shape, dtype=torch.float32, device=hidden.device) if grad_bias else None
+    if tokens and (grad_hidden or grad_weight or grad_bias):
+        g_lp = grad_logp.to(torch.float32).contiguous()
+        g_ent = grad_entropy.to(torch.float32).contiguous() if grad_entropy is not None else None
+        chunks = chunk_plan(tokens, width, weight.shape[0], hidden.dtype, accum_fp32=grad_weight,
+                            chunk_tokens=chunk_tokens, device=hidden.device)
+
+        def visit(logits, start, end):
+            _launch_grad(logits, target[start:end], lse[start:end],
+                         entropy[start:end] if g_ent is not None else None, g_lp[start:end],
+                         g_ent[start:end] if g_ent is not None else None, ignore_index, temperature)
+
+        chunk_loop(hidden, weight, bias, chunks, visit, dx=dx, dw=dw, db=db)
+    empty = hidden.new_empty(0)
+    return (dx if dx is not None else empty, dw.to(weight.dtype) if dw is not None else empty,
+            db.to(bias.dtype) if db is not None else empty)
+
+
+@chunked_logprob_backward.register_fake
+def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, ignore_index, temperature,
+      chunk_tokens, grad_hidden, grad_weight, grad_bias):
+    empty = hidden.new_empty(0)
+    return (hidden.new_empty(hidden.shape) if grad_hidden else empty,
+            weight.new_empty(weight.shape) if grad_weight else empty,
+            bias.new_empty(bias.shape) if grad_bias else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves the inputs and the fp32 ``lse`` (and entropy) per token."""
+    hidden, weight, bias, target, ignore_index, temperature, entropy, chunk_tokens = inputs
+    _logp, lse, ent = output
+    ctx.mark_non_differentiable(lse)
+    ctx.options = (ignore_index, temperature, chunk_tokens)
+    ctx.entropy = entropy
+    ctx.save_for_backward(hidden, weight, bias, target, lse, ent)
+
+
+def _backward(ctx, grad_logp, _grad_lse, grad_ent):
+    hidden, weight, bias, target, lse, ent = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(lse)
+    grad_ent = grad_ent if ctx.entropy else None
+    dx, dw, db = chunked_logprob_backward(grad_logp, grad_ent, hidden, weight, bias, target, lse, ent,
+                                          *ctx.options, need_h, need_w, bias is not None and need_b)
+    return (dx if need_h else None, dw if need_w else None, db if bias is not None and need_b else None,
+            None, None, None, None, None)
+
+
+register_autograd(chunked_logprob_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def validate_head(hidden, weight, labels, bias, *, hidden_name="hidden", weight_name="weight",
+                  labels_name="labels", bias_name="bias") -> None:
+    """The checks every chunked head shares: float ``hidden (..., H)`` and ``weight (V, H)`` of one
+    dtype and device, integer ``labels`` of ``hidden``'s shape without ``H``, ``bias (V,)``."""
+    check_float(hidden, hidden_name)
+    check_float(weight, weight_name)
+    if hidden.dim() < 1:
+        raise ValueError(f"{hidden_name} must be (..., hidden), got a 0-d tensor")
+    h = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != h or weight.shape[0] == 0 or h == 0:
+        raise ValueError(f"{weight_name} must be (vocab, hidden) = (V, {h}) with V, hidden >= 1, "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{weight_name} must have {hidden_name}'s dtype {hidden.dtype}, got {weight.dtype}")
+    check_same_device(weight, weight_name, hidden, hidden_name)
+    if bias is not None:
+        check_tensor(bias, bias_name)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"{bias_name} must have {hidden_name}'s dtype {hidden.dtype}, got {bias.dtype}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{bias_name} must have shape ({weight.shape[0]},) (the vocab), "
+                             f"got {tuple(bias.shape)}")
+        check_same_device(bias, bias_name, hidden, hidden_name)
+    check_tensor(labels, labels_name)
+    check_index(labels, labels_name)
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{labels_name} must have shape {tuple(hidden.shape[:-1])} ({hidden_name}'s shape "
+                         f"without the hidden size), got {tuple(labels.shape)}")
+    check_same_device(labels, labels_name, hidden, hidden_name)
+
+
+def check_options(ignore_index, temperature, chunk_tokens) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_number(temperature, "temperature")
+    if not 0.0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
+
+
+def head_inputs(hidden: Tensor, *tensors):
+    """Under ``torch.autocast``: the floating tensors cast to the autocast dtype, as ``F.linear``
+    would cast them, and whether autocast must be switched off around the op; else as they are."""
+    device_type = hidden.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return (hidden, *tensors), False
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+    return tuple(cast(t) for t in (hidden, *tensors)), True
+
+
+def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, *,
+                     ignore_index: int = -100, temperature: float = 1.0, entropy: bool = False,
+                     chunk_tokens: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Per-token ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` (fp32, shaped like
+    ``labels``, 0 where ``labels == ignore_index``) and, with ``entropy=True``, each token's entropy
+    (0 where ignored), chunked over tokens so that the logits never exist in full; differentiable
+    w.r.t. ``hidden``, ``weight`` and ``bias``. See the module docstring. Under ``torch.autocast``
+    the floating inputs are cast to the autocast dtype first, as ``F.linear`` would."""
+    check_tensor(hidden, "hidden")
+    check_bool(entropy, "entropy")
+    check_options(ignore_index, temperature, chunk_tokens)
+    (hidden, weight, bias), cast = head_inputs(hidden, weight, bias)
+    validate_head(hidden, weight, labels, bias)
+    if cast:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy,
+                                     chunk_tokens)
+    return _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens)
+
+
+def _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens):
+    h2d = as_rows(hidden)
+    logp, _lse, ent = chunked_logprob_forward(
+        h2d, weight.contiguous(), bias.contiguous() if bias is not None else None, labels.reshape(-1).contiguous(),
+        ignore_index, float(temperature), entropy, chunk_tokens or 0)
+    shape = labels.shape
+    return logp.view(shape), (ent.view(shape) if entropy else None)

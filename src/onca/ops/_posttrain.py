@@ -1,0 +1,127 @@
+"""Sequence-level helpers shared by the post-training losses (DPO, SimPO, ORPO, CPO, KTO, GRPO).
+
+Everything here is plain torch on per-token ``(sequences, T)`` and per-sequence ``(sequences,)``
+fp32 tensors: the heavy part (the LM head and its gradient) is the chunk driver's
+(:mod:`onca.ops._chunked_head`). No host synchronisation: counts stay on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, validate_head
+from onca.ops._validate import check_bool, check_float, check_number, check_tensor
+
+__all__ = [
+    "SequenceLogps",
+    "check_beta",
+    "check_choice",
+    "check_paired",
+    "check_per_sequence",
+    "chosen_nll",
+    "policy_logps",
+    "reference_logps",
+    "split_pairs",
+]
+
+
+class SequenceLogps:
+    """Per-token log-probabilities of ``(sequences, T)`` labels and their per-sequence sums, token
+    counts and means (the mean is 0 for a sequence with every token ignored)."""
+
+    def __init__(self, per_token: Tensor, labels: Tensor, ignore_index: int, entropy: Tensor | None = None):
+        self.per_token = per_token
+        self.entropy = entropy
+        self.mask = labels != ignore_index
+        self.sums = per_token.sum(-1)
+        self.counts = self.mask.sum(-1).to(torch.float32)
+        self.means = self.sums / self.counts.clamp(min=1.0)
+
+
+def check_paired(hidden: Tensor, labels: Tensor, name: str = "hidden") -> int:
+    """``hidden`` is ``(2B, T, H)`` (B chosen sequences, then B rejected); returns B."""
+    if hidden.dim() != 3:
+        raise ValueError(f"{name} must be (2 * batch, tokens, hidden) with the chosen sequences first and the "
+                         f"rejected ones after, got shape {tuple(hidden.shape)}")
+    if hidden.shape[0] == 0 or hidden.shape[0] % 2:
+        raise ValueError(f"{name} must hold an even, non-zero number of sequences (B chosen, then B rejected), "
+                         f"got {hidden.shape[0]}")
+    return hidden.shape[0] // 2
+
+
+def check_choice(value, name: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_beta(beta, name: str = "beta", *, positive: bool = True) -> None:
+    check_number(beta, name)
+    if positive and not 0.0 < beta < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {beta!r}")
+
+
+def check_per_sequence(t, name: str, n: int, ref: Tensor, *, floating: bool = True) -> Tensor | None:
+    """An optional per-sequence tensor ``(n,)`` on ``ref``'s device, as fp32 (or as it is)."""
+    if t is None:
+        return None
+    check_tensor(t, name)
+    if floating:
+        check_float(t, name, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16))
+    if tuple(t.shape) != (n,):
+        raise ValueError(f"{name} must have shape ({n},) (one value per sequence), got {tuple(t.shape)}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but hidden is on {ref.device}; move them to one device")
+    return t.to(torch.float32) if floating else t
+
+
+def policy_logps(hidden, weight, labels, bias, *, ignore_index, temperature=1.0, entropy=False,
+                 chunk_tokens=None) -> SequenceLogps:
+    """The policy's per-token log-probabilities (differentiable) through the chunk driver."""
+    per_token, ent = chunked_logprobs(hidden, weight, labels, bias, ignore_index=ignore_index,
+                                      temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens)
+    return SequenceLogps(per_token, labels, ignore_index, ent)
+
+
+def reference_logps(ref_hidden, ref_weight, labels, ref_bias, *, ignore_index, temperature=1.0,
+                    chunk_tokens=None, names=("ref_hidden", "ref_weight", "ref_bias")) -> SequenceLogps:
+    """A frozen model's per-token log-probabilities, without gradient (forward pass only)."""
+    check_tensor(ref_hidden, names[0])
+    check_tensor(ref_weight, names[1])
+    (rh, rw, rb), _ = head_inputs(ref_hidden, ref_weight, ref_bias)
+    validate_head(rh, rw, labels, rb, hidden_name=names[0], weight_name=names[1], labels_name="labels",
+                  bias_name=names[2])
+    with torch.no_grad():
+        return policy_logps(rh.detach(), rw.detach(), labels, rb.detach() if rb is not None else None,
+                            ignore_index=ignore_index, temperature=temperature, chunk_tokens=chunk_tokens)
+
+
+def split_pairs(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(chosen, rejected)`` halves of a ``(2B, ...)`` tensor."""
+    n = t.shape[0] // 2
+    return t[:n], t[n:]
+
+
+def chosen_nll(logps: SequenceLogps) -> Tensor:
+    """The chosen sequences' negative log-likelihood, averaged over their non-ignored tokens (0 when
+    there are none): the cross-entropy term of ORPO, CPO and DPO's ``nll_weight``."""
+    sums, _ = split_pairs(logps.sums)
+    counts, _ = split_pairs(logps.counts)
+    return -sums.sum() / counts.sum().clamp(min=1.0)
+
+
+def check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux, *, temperature=1.0):
+    """Options and the policy head shared by every post-training loss; returns ``(hidden, weight,
+    bias)`` cast to the autocast dtype under ``torch.autocast`` (as ``F.linear`` would)."""
+    check_tensor(hidden, "hidden")
+    check_tensor(weight, "weight")
+    check_options(ignore_index, temperature, chunk_tokens)
+    check_bool(return_aux, "return_aux")
+    (hidden, weight, bias), _ = head_inputs(hidden, weight, bias)
+    validate_head(hidden, weight, labels, bias)
+    return hidden, weight, bias
+
+
+def logsigmoid(x: Tensor) -> Tensor:
+    return F.logsigmoid(x)

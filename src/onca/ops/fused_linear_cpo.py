@@ -1,0 +1,112 @@
+"""Fused linear CPO (Contrastive Preference Optimization) and its SimPO variant: a reference-free
+preference loss plus the chosen sequences' NLL, from the policy's hidden states and LM head without
+the ``(2B, T, V)`` logits.
+
+Layout as :mod:`onca.ops.fused_linear_dpo` (``hidden (2B, T, H)``, chosen first; ``labels (2B, T)``
+aligned, ``ignore_index`` for prompt and padding). As TRL 1.16's ``CPOTrainer`` (AlphaPO's reward
+transform, ``alpha != 0``, is not supported): with ``pi`` each sequence's summed token
+log-probability (its mean over the non-ignored tokens for ``ipo`` and ``simpo``) and
+``x = pi_c - pi_r``::
+
+    sigmoid  mean(-(1 - ls) logsigmoid(beta x) - ls logsigmoid(-beta x))
+    hinge    mean(relu(1 - beta x))
+    ipo      mean((x - 1 / (2 beta)) ** 2)
+    simpo    as sigmoid with x - gamma / beta (SimPO's margin gamma)
+
+plus ``nll_weight`` (TRL's ``cpo_alpha``, default 1) times the chosen sequences' mean token NLL.
+The per-token log-probabilities come from the chunk driver (:mod:`onca.ops._chunked_head`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from onca.ops._chunked_head import plan
+from onca.ops._posttrain import (
+    check_beta,
+    check_choice,
+    check_common,
+    check_paired,
+    chosen_nll,
+    policy_logps,
+    split_pairs,
+)
+from onca.ops._validate import check_number
+
+__all__ = ["LOSS_TYPES", "cpo_loss", "fused_linear_cpo", "plan"]
+
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+def cpo_loss(hidden, weight, labels, bias, *, beta, loss_type, gamma, label_smoothing, nll_weight, ignore_index,
+             chunk_tokens, return_aux):
+    """The shared body of CPO and SimPO (inputs already checked)."""
+    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    average = loss_type in ("ipo", "simpo")
+    pi_c, pi_r = split_pairs(logps.means if average else logps.sums)
+    x = pi_c - pi_r
+    ls = label_smoothing
+    if loss_type in ("sigmoid", "simpo"):
+        if loss_type == "simpo":
+            x = x - gamma / beta
+        losses = -(1 - ls) * F.logsigmoid(beta * x) - ls * F.logsigmoid(-beta * x)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * x)
+    else:
+        losses = (x - 1 / (2 * beta)) ** 2
+    loss = losses.mean()
+    nll = chosen_nll(logps) if (nll_weight or return_aux) else None
+    if nll_weight:
+        loss = loss + nll_weight * nll
+    if not return_aux:
+        return loss
+    chosen_rewards, rejected_rewards = beta * pi_c.detach(), beta * pi_r.detach()
+    return loss, {
+        "chosen_logps": pi_c.detach(), "rejected_logps": pi_r.detach(),
+        "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+        "reward_accuracies": (chosen_rewards > rejected_rewards).to(torch.float32),
+        "reward_margins": chosen_rewards - rejected_rewards,
+        "nll_loss": nll.detach(),
+    }
+
+
+def check_label_smoothing(label_smoothing) -> None:
+    check_number(label_smoothing, "label_smoothing", minimum=0.0)
+    if label_smoothing > 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing!r}")
+
+
+def fused_linear_cpo(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    simpo_gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    nll_weight: float = 1.0,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    return_aux: bool = False,
+):
+    """CPO loss (TRL's ``CPOTrainer``: ``sigmoid``, ``hinge``, ``ipo``, ``simpo`` with margin
+    ``simpo_gamma``) of the policy ``hidden (2B, T, H)`` / ``weight (V, H)`` (+ ``bias``), plus
+    ``nll_weight`` (``cpo_alpha``) times the chosen mean token NLL, without the logits (see the
+    module docstring). Returns the fp32 scalar loss; ``return_aux=True`` returns ``(loss, aux)``
+    with the detached per-pair ``chosen_logps``, ``rejected_logps`` (means for ``ipo``/``simpo``),
+    ``chosen_rewards``, ``rejected_rewards`` (``beta * logps``), ``reward_accuracies``,
+    ``reward_margins`` and the scalar ``nll_loss``."""
+    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux)
+    check_paired(hidden, labels)
+    check_choice(loss_type, "loss_type", LOSS_TYPES)
+    check_beta(beta)
+    check_number(simpo_gamma, "simpo_gamma")
+    check_label_smoothing(label_smoothing)
+    check_number(nll_weight, "nll_weight", minimum=0.0)
+    return cpo_loss(hidden, weight, labels, bias, beta=float(beta), loss_type=loss_type, gamma=float(simpo_gamma),
+                    label_smoothing=float(label_smoothing), nll_weight=float(nll_weight), ignore_index=ignore_index,
+                    chunk_tokens=chunk_tokens, return_aux=return_aux)

@@ -1,0 +1,270 @@
+"""Fused linear distillation: a divergence between a student head's and a teacher head's
+distributions over the same tokens, mixed with the student's hard-label cross entropy, without
+either model's ``(tokens, V)`` logits existing in full.
+
+``student_hidden (..., Hs)`` / ``student_weight (V, Hs)`` (+ ``student_bias``), ``teacher_hidden
+(..., Ht)`` / ``teacher_weight (V, Ht)`` (+ ``teacher_bias``); ``labels (...)`` (optional unless
+``weight_hard_loss > 0``) marks with ``ignore_index`` the tokens that count for nothing. With
+``q = softmax(student_logits / T)`` and ``p = softmax(teacher_logits / T)``, per token::
+
+    forward_kl  KL(p || q)
+    reverse_kl  KL(q || p)
+    jsd         beta KL(p || M) + (1 - beta) KL(q || M),  M = beta p + (1 - beta) q
+    cosine      1 - cos(student_logits, teacher_logits)
+
+(the three KL-type divergences are :mod:`onca.ops.jsd`'s kernel), and ``hard = cross_entropy(
+student_logits, labels)`` at temperature 1. The loss is ``weight_soft_loss * mean(soft) +
+weight_hard_loss * mean(hard)``, means over the tokens not ignored (over all tokens without
+labels), as liger-kernel's ``LigerFusedLinearDistillationBase`` mixes them (its defaults are
+0.5/0.5; Onca's are 1/0: the divergence alone).
+
+It runs on the chunk driver (:func:`onca.ops._chunked_head.chunk_loop`) in its gradient-in-forward
+mode: the loss's gradient w.r.t. each token's logits is known in forward (each token's term only
+depends on its own row, the mean's count is counted on the device first), so per chunk the
+student's and teacher's logits are computed in fp32 (two ``(chunk, V)`` fp32 buffers, a third for
+the hard-label gradient when it is mixed in), the divergence kernel writes the gradient over the
+student's logits, and the driver's matmuls accumulate ``dStudentHidden``, ``dStudentWeight`` and
+``dStudentBias`` (fp32). Backward multiplies them by the incoming gradient. The teacher gets no
+gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from onca.device import DeviceProfile, accelerator, free_memory
+from onca.ops._chunked_head import check_options, chunk_loop, head_logits, validate_head
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
+from onca.ops.cross_entropy import cross_entropy_rows
+from onca.ops.jsd import jsd_rows, plan_divergence
+from onca.tiling import ChunkPlan, plan_token_chunks
+
+__all__ = ["DIVERGENCES", "chunk_plan", "fused_linear_distill", "plan"]
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "cosine")
+# Tokens per chunk aimed at (the head matmuls read the weights once per chunk), and the share of the
+# free memory the fp32 scratch may take.
+CHUNK_TOKENS = 1024
+FREE_FRACTION = 0.25
+
+
+def chunk_plan(tokens: int, vocab: int, buffers: int = 2, chunk_tokens: int | None = None, device=None) -> ChunkPlan:
+    """Tokens per chunk: ``buffers`` fp32 rows of logits per token are the scratch."""
+    bytes_per_token = buffers * vocab * 4
+    if chunk_tokens:
+        return plan_token_chunks(tokens, bytes_per_token, chunk_tokens * bytes_per_token, multiple=1)
+    budget = min(int(free_memory(device) * FREE_FRACTION), CHUNK_TOKENS * bytes_per_token)
+    return plan_token_chunks(tokens, bytes_per_token, budget)
+
+
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict:
+    """Plans for ``shape = (tokens, hidden, vocab)``: the chunks and the divergence kernel's tiling."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3:
+        raise ValueError(f"fused_linear_distill plans take shape (tokens, hidden, vocab), got {shape}")
+    tokens, _hidden, vocab = shape
+    chunks = chunk_plan(tokens, vocab, device=accelerator())
+    return {"chunks": chunks, "divergence": plan_divergence(chunks.chunk, vocab, torch.float32, True, profile)}
+
+
+def _cosine_rows(s: Tensor, t: Tensor, valid: Tensor | None, scale: Tensor, row_loss: Tensor) -> None:
+    """``1 - cos(s, t)`` per row into ``row_loss`` and its gradient times ``scale`` over ``s``."""
+    s_norm = s.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+    t_hat = t / t.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+    s_hat = s / s_norm
+    cos = (s_hat * t_hat).sum(-1, keepdim=True)
+    loss = 1 - cos.squeeze(-1)
+    g = (cos * s_hat - t_hat) / s_norm
+    if valid is not None:
+        loss = loss * valid
+        g = g * valid.unsqueeze(-1)
+    row_loss.copy_(loss)
+    torch.mul(g, scale, out=s)
+
+
+@custom_op("fused_linear_distill_forward")
+def fused_linear_distill_forward(
+    student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None, teacher_hidden: Tensor,
+    teacher_weight: Tensor, teacher_bias: Tensor | None, labels: Tensor | None, divergence: str, beta: float,
+    temperature: float, ignore_index: int, weight_hard_loss: float, weight_soft_loss: float, chunk_tokens: int,
+    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, soft_loss, hard_loss, dhidden, dweight, dbias)``: fp32 scalars and the student's
+    gradients for a unit incoming gradient (empty where not asked for)."""
+    sh, sw, sb, th, tw, tb = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                              teacher_bias)
+    tokens, width = sh.shape
+    vocab = sw.shape[0]
+    device = sh.device
+    if labels is not None:
+        valid = labels != ignore_index
+        count = valid.sum().clamp(min=1).to(torch.float32)
+    else:
+        valid = None
+        count = torch.full((), float(max(tokens, 1)), dtype=torch.float32, device=device)
+    inv = count.reciprocal().reshape(1)
+    soft_rows = torch.zeros(tokens, dtype=torch.float32, device=device)
+    hard_rows = torch.zeros(tokens, dtype=torch.float32, device=device)
+    with_grad = grad_hidden or grad_weight or grad_bias
+    dx = torch.empty((tokens, width), dtype=sh.dtype, device=device) if grad_hidden else None
+    dw = torch.zeros(sw.shape, dtype=torch.float32, device=device) if grad_weight else None
+    db = torch.zeros(sb.shape, dtype=torch.float32, device=device) if grad_bias else None
+    hard = weight_hard_loss != 0.0
+    if tokens:
+        chunks = chunk_plan(tokens, vocab, 3 if hard and with_grad else 2, chunk_tokens, device)
+        t_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device)
+        h_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device) if hard and with_grad else None
+        soft_scale = inv * weight_soft_loss
+        hard_scale = inv * weight_hard_loss
+        lse = torch.empty(chunks.chunk, dtype=torch.float32, device=device)
+        z_rows = torch.empty(chunks.chunk, dtype=torch.float32, device=device)
+
+        def visit(s, start, end):
+            n = end - start
+            t = head_logits(th[start:end], tw, tb, t_buf[:n])
+            lab = labels[start:end] if labels is not None else None
+            if hard:
+                cross_entropy_rows(s, lab, ignore_index=ignore_index, label_smoothing=0.0, lse_square_scale=0.0,
+                                   softcap=0.0, compute_lse=True, lse=lse[:n], loss=hard_rows[start:end],
+                                   z=z_rows[:n], grad=h_buf[:n] if with_grad else None,
+                                   scale=hard_scale.reshape(()) if with_grad else None)
+            if divergence == "cosine":
+                _cosine_rows(s, t, valid[start:end] if valid is not None else None,
+                             soft_scale if with_grad else torch.zeros(1, device=device), soft_rows[start:end])
+            else:
+                mode_beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, beta)
+                jsd_rows(s, t, lab, soft_scale, s if with_grad else None, soft_rows[start:end], mode_beta,
+                         ignore_index, temperature, normalize=True)
+            if not with_grad:
+                return None
+            if hard:
+                s += h_buf[:n]
+            return s if sw.dtype == torch.float32 else s.to(sw.dtype)
+
+        chunk_loop(sh, sw, sb, chunks, visit, dx=dx, dw=dw, db=db, logits_dtype=torch.float32)
+    elif dx is not None:
+        dx.zero_()
+    soft = soft_rows.sum() * inv[0]
+    hard_loss = hard_rows.sum() * inv[0]
+    loss = weight_soft_loss * soft + weight_hard_loss * hard_loss
+    empty = sh.new_empty(0)
+    return (loss, soft, hard_loss, dx if dx is not None else empty, dw.to(sw.dtype) if dw is not None else empty,
+            db.to(sb.dtype) if db is not None else empty)
+
+
+@fused_linear_distill_forward.register_fake
+def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, labels,
+      divergence, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, chunk_tokens, grad_hidden,
+      grad_weight, grad_bias):
+    sh, sw, sb = student_hidden, student_weight, student_bias
+    scalar = lambda: sh.new_empty((), dtype=torch.float32)
+    empty = sh.new_empty(0)
+    return (scalar(), scalar(), scalar(), sh.new_empty(sh.shape) if grad_hidden else empty,
+            sw.new_empty(sw.shape) if grad_weight else empty, sb.new_empty(sb.shape) if grad_bias else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves the gradients the forward op computed, and nothing else."""
+    ctx.computed = inputs[-3:]
+    _loss, _soft, _hard, dx, dw, db = output
+    ctx.mark_non_differentiable(_soft, _hard, dx, dw, db)
+    ctx.save_for_backward(dx, dw, db)
+
+
+def _backward(ctx, grad, *_):
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+    grads = [g * grad.to(g.dtype) if computed and need else None
+             for g, computed, need in zip(ctx.saved_tensors, ctx.computed, needs)]
+    return (*grads, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
+
+
+register_autograd(fused_linear_distill_forward, _backward, setup_context=_setup_context)
+
+
+def fused_linear_distill(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    labels: Tensor | None = None,
+    *,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weight_hard_loss: float = 0.0,
+    weight_soft_loss: float = 1.0,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    return_aux: bool = False,
+):
+    """Distillation loss ``weight_soft_loss * mean(divergence) + weight_hard_loss * mean(CE)``
+    between a student head (``student_hidden (..., Hs)``, ``student_weight (V, Hs)``, +
+    ``student_bias``) and a teacher head over the same tokens, at ``temperature``, without the
+    logits (see the module docstring; ``divergence`` one of ``forward_kl``, ``reverse_kl``, ``jsd``
+    with ``beta``, ``cosine``). Returns the fp32 scalar loss; ``return_aux=True`` returns ``(loss,
+    aux)`` with the scalar ``soft_loss`` and ``hard_loss`` (means, before their weights). Gradients
+    reach the student only. Under ``torch.autocast`` the four heads' inputs are cast to the
+    autocast dtype first."""
+    for t, name in ((student_hidden, "student_hidden"), (student_weight, "student_weight"),
+                    (teacher_hidden, "teacher_hidden"), (teacher_weight, "teacher_weight")):
+        check_tensor(t, name)
+    check_options(ignore_index, temperature, chunk_tokens)
+    check_bool(return_aux, "return_aux")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    check_number(beta, "beta", minimum=0.0)
+    if beta > 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+    check_number(weight_hard_loss, "weight_hard_loss", minimum=0.0)
+    check_number(weight_soft_loss, "weight_soft_loss", minimum=0.0)
+    device_type = student_hidden.device.type
+    tensors = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        tensors = tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
+        with torch.autocast(device_type, enabled=False):
+            return _distill(*tensors, labels, divergence, beta, temperature, weight_hard_loss, weight_soft_loss,
+                            ignore_index, chunk_tokens, return_aux)
+    return _distill(*tensors, labels, divergence, beta, temperature, weight_hard_loss, weight_soft_loss,
+                    ignore_index, chunk_tokens, return_aux)
+
+
+def _distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature, weight_hard_loss, weight_soft_loss,
+             ignore_index, chunk_tokens, return_aux):
+    lead = tuple(sh.shape[:-1])
+    if labels is None:
+        if weight_hard_loss:
+            raise ValueError("weight_hard_loss > 0 needs labels (the hard targets)")
+        dummy = torch.zeros(lead, dtype=torch.long, device=sh.device)
+        validate_head(sh, sw, dummy, sb, hidden_name="student_hidden", weight_name="student_weight",
+                      bias_name="student_bias")
+        validate_head(th, tw, dummy, tb, hidden_name="teacher_hidden", weight_name="teacher_weight",
+                      bias_name="teacher_bias")
+    else:
+        validate_head(sh, sw, labels, sb, hidden_name="student_hidden", weight_name="student_weight",
+                      bias_name="student_bias")
+        validate_head(th, tw, labels, tb, hidden_name="teacher_hidden", weight_name="teacher_weight",
+                      bias_name="teacher_bias")
+    if tw.shape[0] != sw.shape[0]:
+        raise ValueError(f"teacher_weight has vocabulary {tw.shape[0]} but student_weight has {sw.shape[0]}; "
+                         "the two heads must share one vocabulary")
+    if tuple(th.shape[:-1]) != lead:
+        raise ValueError(f"teacher_hidden must have the student's tokens {lead}, got shape {tuple(th.shape)}")
+    check_same_device(th, "teacher_hidden", sh, "student_hidden")
+    check_float(th, "teacher_hidden")
+    grad_enabled = torch.is_grad_enabled()
+    rows = lambda t: t.reshape(-1, t.shape[-1]).contiguous()
+    loss, soft, hard, *_ = fused_linear_distill_forward(
+        rows(sh), sw.contiguous(), sb.contiguous() if sb is not None else None, rows(th).detach(),
+        tw.detach().contiguous(), tb.detach().contiguous() if tb is not None else None,
+        labels.reshape(-1).contiguous() if labels is not None else None, divergence, float(beta), float(temperature),
+        ignore_index, float(weight_hard_loss), float(weight_soft_loss), chunk_tokens or 0,
+        grad_enabled and sh.requires_grad, grad_enabled and sw.requires_grad,
+        grad_enabled and sb is not None and sb.requires_grad)
+    if not return_aux:
+        return loss
+    return loss, {"soft_loss": soft, "hard_loss": hard}

@@ -1,0 +1,80 @@
+"""Fused linear ORPO (Odds Ratio Preference Optimization): the chosen sequences' NLL plus an odds
+ratio term, from the policy's hidden states and LM head without the ``(2B, T, V)`` logits.
+
+Layout as :mod:`onca.ops.fused_linear_dpo`. As TRL 1.16's ``ORPOTrainer``: with ``avg`` each
+sequence's mean token log-probability over its non-ignored labels::
+
+    log_odds = (avg_c - avg_r) - (log(1 - exp(avg_c)) - log(1 - exp(avg_r)))
+    loss     = nll_weight * NLL(chosen) - beta * mean(logsigmoid(log_odds))
+
+``NLL(chosen)`` is the chosen sequences' mean token NLL over their non-ignored labels (TRL scores
+the labels it is given: mask the prompt with ``ignore_index`` or not, as its ``labels`` do);
+``nll_weight`` is 1 in ORPO. A pair with a sequence whose every label is ignored has no odds (its
+mean log-probability is undefined): its odds-ratio term is 0 (TRL gives NaN). The per-token
+log-probabilities come from the chunk driver (:mod:`onca.ops._chunked_head`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from onca.ops._chunked_head import plan
+from onca.ops._posttrain import check_beta, check_common, check_paired, chosen_nll, policy_logps, split_pairs
+from onca.ops._validate import check_number
+
+__all__ = ["fused_linear_orpo", "log1mexp", "plan"]
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of ``-log 2``."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def fused_linear_orpo(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    beta: float = 0.1,
+    nll_weight: float = 1.0,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    return_aux: bool = False,
+):
+    """ORPO loss ``nll_weight * NLL(chosen) - beta * mean(logsigmoid(log_odds))`` of the policy
+    ``hidden (2B, T, H)`` / ``weight (V, H)`` (+ ``bias``), without the logits (see the module
+    docstring). Returns the fp32 scalar loss; ``return_aux=True`` returns ``(loss, aux)`` with the
+    detached per-pair mean ``chosen_logps``/``rejected_logps``, ``chosen_rewards``/
+    ``rejected_rewards`` (``beta * avg``), ``reward_accuracies``, ``reward_margins``, the scalar
+    ``nll_loss``, ``log_odds_ratio`` (``mean(logsigmoid(log_odds))``) and ``log_odds_chosen``
+    (``mean(log_odds)``), as TRL logs them."""
+    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux)
+    check_paired(hidden, labels)
+    check_beta(beta)
+    check_number(nll_weight, "nll_weight", minimum=0.0)
+    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    avg_c, avg_r = split_pairs(logps.means)
+    n_c, n_r = split_pairs(logps.counts)
+    present = (n_c > 0) & (n_r > 0)
+    # Where a sequence is empty its mean is no log-probability: give log1mexp a safe input, drop the term.
+    safe_c, safe_r = torch.where(present, avg_c, -1.0), torch.where(present, avg_r, -1.0)
+    log_odds = (safe_c - safe_r) - (log1mexp(safe_c) - log1mexp(safe_r))
+    ratio = torch.where(present, F.logsigmoid(log_odds), 0.0)
+    loss = -beta * ratio.mean()
+    nll = chosen_nll(logps) if (nll_weight or return_aux) else None
+    if nll_weight:
+        loss = loss + nll_weight * nll
+    if not return_aux:
+        return loss
+    chosen_rewards, rejected_rewards = beta * avg_c.detach(), beta * avg_r.detach()
+    return loss, {
+        "chosen_logps": avg_c.detach(), "rejected_logps": avg_r.detach(),
+        "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+        "reward_accuracies": (chosen_rewards > rejected_rewards).to(torch.float32),
+        "reward_margins": chosen_rewards - rejected_rewards,
+        "nll_loss": nll.detach(), "log_odds_ratio": ratio.detach().mean(),
+        "log_odds_chosen": torch.where(present, log_odds, 0.0).detach().mean(),
+    }

@@ -1,0 +1,31 @@
+"""The post-training loss modules call their functions with the options they hold."""
+
+from __future__ import annotations
+
+import torch
+
+import onca.functional as F
+from onca import nn
+from tests.helpers import randn
+from tests.ops.posttrain_reference import make_inputs
+
+
+def test_modules_match_functions():
+    h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, "cpu", prompt=1)
+    rh = randn(2, 5, 8)
+    torch.testing.assert_close(nn.FusedLinearDPOLoss(beta=0.3)(h, w, labels, rh, w),
+                               F.fused_linear_dpo(h, w, labels, rh, w, beta=0.3))
+    torch.testing.assert_close(nn.FusedLinearSimPOLoss(gamma=0.1)(h, w, labels),
+                               F.fused_linear_simpo(h, w, labels, gamma=0.1))
+    torch.testing.assert_close(nn.FusedLinearORPOLoss()(h, w, labels), F.fused_linear_orpo(h, w, labels))
+    torch.testing.assert_close(nn.FusedLinearCPOLoss(loss_type="hinge")(h, w, labels),
+                               F.fused_linear_cpo(h, w, labels, loss_type="hinge"))
+    flags = torch.tensor([True, False])
+    torch.testing.assert_close(nn.FusedLinearKTOLoss()(h, w, labels, flags, rh, w),
+                               F.fused_linear_kto(h, w, labels, flags, rh, w))
+    adv = torch.tensor([1.0, -0.5])
+    torch.testing.assert_close(nn.FusedLinearGRPOLoss(loss_type="grpo")(h, w, labels, adv),
+                               F.fused_linear_grpo(h, w, labels, adv, loss_type="grpo"))
+    torch.testing.assert_close(nn.FusedLinearDistillLoss(divergence="cosine")(h, w, rh, w),
+                               F.fused_linear_distill(h, w, rh, w, divergence="cosine"))
+    assert "beta=0.3" in repr(nn.FusedLinearDPOLoss(beta=0.3))

@@ -1,0 +1,115 @@
+"""The chunk driver of the post-training losses: per-token log-probabilities and entropies of
+``hidden @ W.T + b`` (at a temperature) forward and backward against float64 full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onca.ops._chunked_head import chunk_plan, chunked_logprobs, plan
+from tests.contract import assert_op_contract
+from tests.helpers import assert_close, leaf, non_contiguous, randn
+from tests.ops.posttrain_reference import BASE, CHUNK, SHAPES, make_inputs, reference_logps
+
+
+def check(hidden, weight, bias, labels, temperature=1.0, entropy=True, chunk_tokens=CHUNK):
+    dtype = hidden.dtype
+    hk, wk = leaf(hidden), leaf(weight)
+    bk = leaf(bias) if bias is not None else None
+    logp, ent = chunked_logprobs(hk, wk, labels, bk, temperature=temperature, entropy=entropy,
+                                 chunk_tokens=chunk_tokens)
+    per, ref_ent, _, (h64, w64, b64) = reference_logps(hidden, weight, bias, labels, temperature)
+    assert logp.dtype == torch.float32 and logp.shape == labels.shape
+    # The log-probabilities are fp32 from the (rounded) logits: judged at fp32 precision.
+    assert_close(logp, per, torch.float32, "logp")
+    g_lp = torch.randn(labels.shape, dtype=torch.float64, device=hidden.device)
+    total64 = (per * g_lp).sum()
+    total = (logp * g_lp.float()).sum()
+    if entropy:
+        assert_close(ent, ref_ent, torch.float32, "entropy")
+        g_ent = torch.randn(labels.shape, dtype=torch.float64, device=hidden.device)
+        total64 = total64 + (ref_ent * g_ent).sum()
+        total = total + (ent * g_ent.float()).sum()
+    else:
+        assert ent is None
+    total.backward()
+    total64.backward()
+    assert_close(hk.grad, h64.grad, dtype, "dhidden")
+    assert_close(wk.grad, w64.grad, dtype, "dweight")
+    if bias is not None:
+        assert_close(bk.grad, b64.grad, dtype, "dbias")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_reference(profile, device, dtype):
+    h, w, b, labels = make_inputs(BASE, dtype, device, bias=True, empty_row=1)
+    assert chunk_plan(labels.numel(), h.shape[-1], w.shape[0], dtype, chunk_tokens=CHUNK).n_chunks > 1
+    check(h, w, b, labels, temperature=0.7)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_shapes_no_entropy(device, shape):
+    h, w, _, labels = make_inputs(shape, torch.float32, device)
+    check(h, w, None, labels, entropy=False, chunk_tokens=None)
+
+
+def test_one_token_and_column_tiles(device, onchip_bytes):
+    """One token; a vocabulary wider than the on-chip budget (the online log-sum-exp's tiles)."""
+    onchip_bytes(4096)
+    h, w, b, labels = make_inputs((1, 1, 8, 1000), torch.float32, device, bias=True, prompt=0)
+    check(h, w, b, labels, temperature=1.3)
+
+
+def test_non_contiguous_hidden(device):
+    h, w, _, labels = make_inputs((2, 5, 12, 77), torch.float32, device, prompt=1)
+    check(non_contiguous(h), w, None, labels)
+
+
+def test_bad_label_is_nan(device):
+    h, w, _, labels = make_inputs((1, 4, 8, 50), torch.float32, device, prompt=0)
+    labels[0, 2] = 50
+    logp, _ = chunked_logprobs(h, w, labels)
+    assert torch.isnan(logp[0, 2]) and torch.isfinite(logp[0, :2]).all()
+
+
+def test_zero_tokens(device):
+    h = randn(0, 8, device=device, requires_grad=True)
+    w = randn(10, 8, device=device, requires_grad=True)
+    logp, ent = chunked_logprobs(h, w, torch.zeros(0, dtype=torch.long, device=device), entropy=True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+    (logp.sum() + ent.sum()).backward()
+    assert w.grad is not None and (w.grad == 0).all()
+
+
+def test_bad_input(device):
+    h, w, _, labels = make_inputs((2, 5, 12, 77), torch.float32, device)
+    with pytest.raises(ValueError, match="labels"):
+        chunked_logprobs(h, w, labels[:, :3])
+    with pytest.raises(TypeError, match="labels"):
+        chunked_logprobs(h, w, labels.float())
+    with pytest.raises(ValueError, match="weight"):
+        chunked_logprobs(h, w[:, :5], labels)
+    with pytest.raises(TypeError, match="weight"):
+        chunked_logprobs(h, w.double(), labels)
+    with pytest.raises(ValueError, match="bias"):
+        chunked_logprobs(h, w, labels, torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="temperature"):
+        chunked_logprobs(h, w, labels, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        chunked_logprobs(h, w, labels, chunk_tokens=0)
+
+
+def test_plan():
+    p = plan((100, 16, 1000), torch.bfloat16)
+    assert p["chunks"].tokens == 100 and p["logprob"].cols == 1000
+
+
+def test_op_contract(device):
+    h, w, b, labels = make_inputs((2, 5, 8, 24), torch.float32, device, bias=True, prompt=1)
+
+    def fn(h, w, b, labels):
+        logp, ent = chunked_logprobs(h, w, labels, b, temperature=0.9, entropy=True, chunk_tokens=4)
+        return logp, ent
+
+    assert_op_contract(fn, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), labels),
+                       expect_ops={"chunked_logprob_forward", "chunked_logprob_backward"})

@@ -1,0 +1,105 @@
+"""Fused linear distillation forward and backward against float64 full logits of both heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onca.ops.fused_linear_distill import DIVERGENCES, fused_linear_distill
+from tests.contract import assert_op_contract
+from tests.helpers import assert_close, leaf, randn, rounded
+from tests.ops.posttrain_reference import IGNORE
+
+SHAPE = (37, 16, 12, 301)  # tokens, student hidden, teacher hidden, vocab
+
+
+def reference(sh, sw, sb, th, tw, labels, divergence, beta, temperature, w_hard, w_soft):
+    h64 = sh.detach().double().requires_grad_(True)
+    w64 = sw.detach().double().requires_grad_(True)
+    b64 = sb.detach().double().requires_grad_(True) if sb is not None else None
+    s = h64 @ w64.T + (b64 if b64 is not None else 0)
+    t = th.double() @ tw.double().T
+    if sh.dtype != torch.float32:  # the fp32 logits of bf16 operands: exact products, no rounding
+        s, t = rounded(s, torch.float32), rounded(t, torch.float32)
+    valid = (labels != IGNORE).double() if labels is not None else torch.ones(s.shape[0], dtype=torch.float64)
+    lq, lp = torch.log_softmax(s / temperature, -1), torch.log_softmax(t / temperature, -1)
+    if divergence == "forward_kl":
+        per = (lp.exp() * (lp - lq)).sum(-1)
+    elif divergence == "reverse_kl":
+        per = (lq.exp() * (lq - lp)).sum(-1)
+    elif divergence == "jsd":
+        lm = (beta * lp.exp() + (1 - beta) * lq.exp()).log()
+        per = beta * (lp.exp() * (lp - lm)).sum(-1) + (1 - beta) * (lq.exp() * (lq - lm)).sum(-1)
+    else:
+        per = 1 - F.cosine_similarity(s, t, dim=-1)
+    loss = w_soft * (per * valid).sum() / valid.sum().clamp(min=1)
+    if w_hard:
+        loss = loss + w_hard * F.cross_entropy(s, labels, ignore_index=IGNORE)
+    return loss, (h64, w64, b64)
+
+
+def check(dtype, device, divergence, *, beta=0.3, temperature=2.0, w_hard=0.4, w_soft=0.6, bias=True,
+          with_labels=True, shape=SHAPE, chunk_tokens=16):
+    n, hs, ht, v = shape
+    sh, sw = randn(n, hs, dtype=dtype, device=device), randn(v, hs, dtype=dtype, device=device, std=0.3)
+    sb = randn(v, dtype=dtype, device=device, std=0.5) if bias else None
+    th, tw = randn(n, ht, dtype=dtype, device=device), randn(v, ht, dtype=dtype, device=device, std=0.4)
+    labels = None
+    if with_labels:
+        labels = torch.randint(0, v, (n,), device=device)
+        labels[::5] = IGNORE
+    shk, swk = leaf(sh), leaf(sw)
+    sbk = leaf(sb) if bias else None
+    loss = fused_linear_distill(shk, swk, th, tw, labels, student_bias=sbk, divergence=divergence, beta=beta,
+                                temperature=temperature, weight_hard_loss=w_hard, weight_soft_loss=w_soft,
+                                chunk_tokens=chunk_tokens)
+    ref, (h64, w64, b64) = reference(sh, sw, sb, th, tw, labels, divergence, beta, temperature, w_hard, w_soft)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert_close(loss, ref, torch.float32, "loss")
+    loss.backward()
+    ref.backward()
+    assert_close(shk.grad, h64.grad, dtype, "dstudent_hidden")
+    assert_close(swk.grad, w64.grad, dtype, "dstudent_weight")
+    if bias:
+        assert_close(sbk.grad, b64.grad, dtype, "dstudent_bias")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_kl_with_hard_labels(profile, device, dtype):
+    check(dtype, device, "forward_kl")
+
+
+@pytest.mark.parametrize("divergence", [d for d in DIVERGENCES if d != "forward_kl"])
+def test_divergences(device, divergence):
+    check(torch.float32, device, divergence, shape=(21, 8, 8, 97), chunk_tokens=None)
+
+
+def test_no_labels_one_token(device):
+    check(torch.float32, device, "jsd", w_hard=0.0, w_soft=1.0, bias=False, with_labels=False, shape=(1, 8, 8, 50))
+
+
+def test_bad_input(device):
+    sh, sw, th, tw = randn(4, 8), randn(20, 8), randn(4, 6), randn(20, 6)
+    with pytest.raises(ValueError, match="divergence"):
+        fused_linear_distill(sh, sw, th, tw, divergence="kl")
+    with pytest.raises(ValueError, match="labels"):
+        fused_linear_distill(sh, sw, th, tw, weight_hard_loss=0.5)
+    with pytest.raises(ValueError, match="vocabulary"):
+        fused_linear_distill(sh, sw, th, tw[:10])
+    with pytest.raises(ValueError, match="teacher_hidden"):
+        fused_linear_distill(sh, sw, th[:3], tw)
+    with pytest.raises(ValueError, match="beta"):
+        fused_linear_distill(sh, sw, th, tw, divergence="jsd", beta=1.5)
+
+
+def test_op_contract(device):
+    sh, sw, th, tw = randn(6, 8, device=device), randn(24, 8, device=device), randn(6, 6, device=device), \
+        randn(24, 6, device=device)
+    labels = torch.randint(0, 24, (6,), device=device)
+    labels[1] = IGNORE
+    fn = lambda sh, sw, th, tw, labels: fused_linear_distill(
+        sh, sw, th, tw, labels, divergence="jsd", temperature=2.0, weight_hard_loss=0.5, weight_soft_loss=0.5,
+        chunk_tokens=4)
+    assert_op_contract(fn, (sh.requires_grad_(), sw.requires_grad_(), th, tw, labels),
+                       expect_ops={"fused_linear_distill_forward"})
