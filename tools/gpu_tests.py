@@ -53,9 +53,14 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/ops/test_fused_linear_kto.py", "tests/ops/test_fused_linear_grpo.py",
         "tests/ops/test_fused_linear_distill.py", "tests/nn/test_posttrain.py",
     ),
+    "13": (  # row activations and TVD (issue 16)
+        "tests/ops/test_softmax.py", "tests/nn/test_softmax.py", "tests/ops/test_sparsemax.py",
+        "tests/nn/test_sparsemax.py", "tests/ops/test_relu_squared.py", "tests/nn/test_relu_squared.py",
+        "tests/ops/test_tvd.py", "tests/nn/test_tvd.py",
+    ),
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12", "13")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

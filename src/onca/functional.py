@@ -17,6 +17,7 @@ from onca.ops.group_norm import group_norm
 
 # MLP activations
 from onca.ops.geglu import geglu, geglu_linear
+from onca.ops.relu_squared import relu_squared
 from onca.ops.swiglu import swiglu, swiglu_linear
 from onca.ops.tiled_mlp import tiled_mlp
 
@@ -25,6 +26,10 @@ from onca.ops.fused_moe import fused_moe
 
 # Hyper-connections
 from onca.ops.mhc import mhc, mhc_coeffs, mhc_post_res, mhc_pre
+
+# Activations over a row
+from onca.ops.softmax import softmax
+from onca.ops.sparsemax import sparsemax
 
 # Position and embedding
 from onca.ops.attn_res import attn_res
@@ -40,6 +45,7 @@ from onca.ops.fused_linear_jsd import fused_linear_jsd
 from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
 from onca.ops.grpo_loss import grpo_loss
+from onca.ops.tvd import tvd
 
 # Post-training losses (preference tuning, RL, distillation) without the logits
 from onca.ops._chunked_head import chunked_logprobs
@@ -50,6 +56,7 @@ from onca.ops.fused_linear_grpo import fused_linear_grpo
 from onca.ops.fused_linear_kto import fused_linear_kto
 from onca.ops.fused_linear_orpo import fused_linear_orpo
 from onca.ops.fused_linear_simpo import fused_linear_simpo
+
 
 __all__ = [
     "rms_norm",
@@ -89,4 +96,8 @@ __all__ = [
     "fused_linear_kto",
     "fused_linear_grpo",
     "fused_linear_distill",
+    "relu_squared",
+    "softmax",
+    "sparsemax",
+    "tvd",
 ]

@@ -27,6 +27,10 @@ from onca.nn.posttrain import (
     FusedLinearORPOLoss,
     FusedLinearSimPOLoss,
 )
+from onca.nn.relu_squared import ReLUSquared
+from onca.nn.softmax import Softmax
+from onca.nn.sparsemax import Sparsemax
+from onca.nn.tvd import TVDLoss
 
 __all__ = [
     "RMSNorm",
@@ -56,4 +60,8 @@ __all__ = [
     "FusedLinearKTOLoss",
     "FusedLinearGRPOLoss",
     "FusedLinearDistillLoss",
+    "ReLUSquared",
+    "Softmax",
+    "Sparsemax",
+    "TVDLoss",
 ]

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["rows_cols", "as_rows"]
+__all__ = ["rows_cols", "as_rows", "as_rows_over", "from_rows_over"]
 
 
 def rows_cols(shape) -> tuple[int, int]:
@@ -26,3 +26,19 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
     return rows
+
+
+def as_rows_over(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` as ``(rows, size of dim)``, with ``dim`` (non-negative) moved last (a copy unless it
+    already is last); undo with :func:`from_rows_over`."""
+    return as_rows(t if dim == t.dim() - 1 else t.movedim(dim, -1))
+
+
+def from_rows_over(rows: torch.Tensor, shape, dim: int) -> torch.Tensor:
+    """The ``(rows, size of dim)`` result of :func:`as_rows_over` in ``shape`` again (a view)."""
+    last = len(shape) - 1
+    if dim == last:
+        return rows.view(shape)
+    moved = list(shape)
+    moved.append(moved.pop(dim))
+    return rows.view(moved).movedim(-1, dim)

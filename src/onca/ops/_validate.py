@@ -53,3 +53,12 @@ def check_number(value, name: str, *, minimum: float | None = None) -> None:
     if value != value or (minimum is not None and not value >= minimum):
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{name} must be a number{bound}, got {value!r}")
+
+
+def check_dim(dim, name: str, ndim: int) -> int:
+    """``dim`` (an int in ``[-ndim, ndim)``, as torch takes it) as a non-negative index."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__} {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name} must be in [{-ndim}, {ndim - 1}] for a {ndim}-d input, got {dim}")
+    return dim % ndim

@@ -1,0 +1,236 @@
+"""Softmax over one dimension (the last by default): ``y = exp(x - max(x)) / sum(exp(x - max(x)))``.
+
+liger-kernel's ``LigerSoftmax`` / ``liger_softmax(x)`` (always the last dimension), and
+``torch.softmax(x, dim)`` for a floating input: the row is reduced in fp32 and ``y`` is stored
+once in the input's dtype. A row of ``-inf`` (or one holding ``+inf`` or NaN) gives NaN, as in
+torch. Another ``dim`` is moved last first (one copy of the input and, in the backward pass, of
+the incoming gradient); the result is a view in the input's shape.
+
+Saved for backward: the output ``y`` (not ``x``). The backward pass is
+``dx = y * (dy - sum(dy * y))`` per row, in fp32, stored in the input's dtype.
+
+Each kernel covers a row in one tile when it fits the plan, else in column tiles with two passes
+over the row: the forward's first pass keeps an online maximum and rescaled sum
+(``onca.ops.jsd._lse_update``), its second writes ``y``; the backward's first pass sums
+``dy * y``, its second writes ``dx``. Every row is independent: no cross-program reduction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from onca.device import DeviceProfile, get_profile
+from onca.ops._contract import custom_op, register_autograd
+from onca.ops._rows import as_rows, as_rows_over, from_rows_over, rows_cols
+from onca.ops._validate import check_dim, check_float
+from onca.ops.jsd import _lse_update
+from onca.tiling import RowPlan, plan_rows
+
+__all__ = ["plan", "plan_two_pass", "softmax"]
+
+# Live tiles (input dtype; fp32). Forward: x and y; x and exp(x - m) in fp32. Backward: dy, y and
+# dx; their fp32 forms.
+FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2)
+BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3)
+
+
+# ----------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _softmax_forward_kernel(
+    x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)[:, None]
+        x_rows = x_ptr + rows64 * x_row_stride
+        y_rows = y_ptr + rows64 * y_row_stride
+        if COL_TILES == 1:
+            mask = row_mask[:, None] & (col_offsets < n_cols)[None, :]
+            x = tl.load(x_rows + col_offsets[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            m = tl.max(x, axis=1)
+            # A row of -inf has m = -inf and gives NaN (-inf - -inf), as torch's softmax does.
+            e = tl.exp(x - m[:, None])
+            y = e / tl.sum(e, axis=1)[:, None]
+            tl.store(y_rows + col_offsets[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+            s = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                m, s = _lse_update(m, s, x)
+            # s was accumulated relative to m (or to 0 for a row of -inf: then m is -inf, and the
+            # exponent below is NaN, as in the single-tile path).
+            inv_s = 1.0 / s
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+                y = tl.exp(x - m[:, None]) * inv_s[:, None]
+                tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_backward_kernel(
+    dy_ptr, y_ptr, dx_ptr, n_rows, n_cols, dy_row_stride, y_row_stride, dx_row_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)[:, None]
+        dy_rows = dy_ptr + rows64 * dy_row_stride
+        y_rows = y_ptr + rows64 * y_row_stride
+        dx_rows = dx_ptr + rows64 * dx_row_stride
+        if COL_TILES == 1:
+            mask = row_mask[:, None] & (col_offsets < n_cols)[None, :]
+            dy = tl.load(dy_rows + col_offsets[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_rows + col_offsets[None, :], mask=mask, other=0.0).to(tl.float32)
+            dot = tl.sum(dy * y, axis=1)
+            dx = y * (dy - dot[:, None])
+            tl.store(dx_rows + col_offsets[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        else:
+            dot = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dot += tl.sum(dy * y, axis=1)
+            for tile in range(COL_TILES):
+                cols = tile * BLOCK_COLS + col_offsets
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dx = y * (dy - dot[:, None])
+                tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------- launchers
+
+
+# A two-pass (column-tiled) row keeps at most this many elements of a tile per thread of the widest
+# program on a GPU: the loops over the tiles pipeline their loads, and at 16 per thread (8192-wide
+# tiles) the backward kernels spill on sm_90 (tools/sm90_compile.py); at 8 they do not.
+TWO_PASS_ELEMENTS_PER_THREAD = 8
+
+
+def plan_two_pass(rows: int, cols: int, dtype: torch.dtype, tiles: dict,
+                  profile: DeviceProfile | None = None) -> RowPlan:
+    """``plan_rows`` for a row kernel with a single-tile path and a two-pass column-tiled path
+    (softmax, sparsemax): on a GPU the column tiles are capped at
+    ``TWO_PASS_ELEMENTS_PER_THREAD`` elements per thread of a ``max_warps`` program."""
+    profile = profile or get_profile()
+    p = plan_rows(rows, cols, dtype, profile=profile, **tiles)
+    if p.col_tiles == 1 or profile.kind != "cuda":
+        return p
+    cap = profile.max_warps * 32 * TWO_PASS_ELEMENTS_PER_THREAD
+    if p.block_cols > cap:
+        # The planner halves the widest block for a two-pass row: ask for twice the cap.
+        p = plan_rows(rows, cols, dtype, profile=profile, max_block_cols=2 * cap, **tiles)
+    wanted = p.block_rows * p.block_cols // (32 * TWO_PASS_ELEMENTS_PER_THREAD)
+    warps = max(p.num_warps, min(profile.max_warps, wanted))
+    return p if warps == p.num_warps else dataclasses.replace(p, num_warps=warps)
+
+
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
+    """The forward and backward plans for an input of ``shape`` (``(..., cols)``, softmax over the
+    last dimension)."""
+    rows, cols = rows_cols(shape)
+    return {
+        "forward": plan_two_pass(rows, cols, dtype, FORWARD_TILES, profile),
+        "backward": plan_two_pass(rows, cols, dtype, BACKWARD_TILES, profile),
+    }
+
+
+def _constexprs(p: RowPlan) -> dict:
+    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
+            "num_warps": p.num_warps}
+
+
+@custom_op("softmax_forward")
+def softmax_forward(x: Tensor) -> Tensor:
+    """``y``, the softmax of each row of the 2-D ``x``, in ``x``'s dtype."""
+    rows, cols = x.shape
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    p = plan_two_pass(rows, cols, x.dtype, FORWARD_TILES)
+    _softmax_forward_kernel[(p.grid,)](x, y, rows, cols, x.stride(0), y.stride(0), **_constexprs(p))
+    return y
+
+
+@softmax_forward.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@custom_op("softmax_backward")
+def softmax_backward(dy: Tensor, y: Tensor) -> Tensor:
+    """``dx = y * (dy - sum(dy * y))`` per row of the 2-D ``dy``/``y``, in ``y``'s dtype."""
+    rows, cols = y.shape
+    dx = torch.empty((rows, cols), dtype=y.dtype, device=y.device)
+    if y.numel() == 0:
+        return dx
+    p = plan_two_pass(rows, cols, y.dtype, BACKWARD_TILES)
+    _softmax_backward_kernel[(p.grid,)](dy, y, dx, rows, cols, dy.stride(0), y.stride(0), dx.stride(0),
+                                        **_constexprs(p))
+    return dx
+
+
+@softmax_backward.register_fake
+def _(dy, y):
+    return torch.empty_like(y)
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves the output ``y``."""
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return softmax_backward(as_rows(dy), y)
+
+
+register_autograd(softmax_forward, _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax of ``x`` over ``dim`` (default the last dimension: liger-kernel's ``liger_softmax``),
+    as ``torch.softmax(x, dim)``: reduced in fp32, the result in ``x``'s dtype and shape. ``x`` may
+    have any leading shape, including no rows. Saves the output for the backward pass."""
+    check_float(x, "x")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the one the softmax is over), got a 0-d tensor")
+    d = check_dim(dim, "dim", x.dim())
+    y = softmax_forward(as_rows_over(x, d))
+    return from_rows_over(y, x.shape, d)
