@@ -40,6 +40,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
+    # Two ranks: NCCL where two GPUs are visible, else gloo on the CPU (the GPU hidden).
+    "10": ("tests/distributed",),
 }
 # Shards whose tests run kernels (what memcheck is for).
 KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6")

@@ -26,6 +26,10 @@ from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from onca.ops.fused_linear_jsd import fused_linear_jsd
 from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
+from onca.ops.vocab_parallel_cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_fused_linear_cross_entropy,
+)
 
 __all__ = [
     "rms_norm",
@@ -44,4 +48,6 @@ __all__ = [
     "kl_div",
     "jsd",
     "fused_linear_jsd",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_fused_linear_cross_entropy",
 ]
