@@ -134,8 +134,7 @@ CHECKS = {
     # calling it, so the loss runs as a forward method of that group.
     "llama_fp32_head_sharded_alone": lambda r, d: _compare("llama", r, d, mixed=False, checkpointing=False,
                                                            shard="head", reference_shard="head"),
-    # bf16 mixed precision and gradient checkpointing, the head with the root.
-    "llama_bf16_checkpointing": lambda r, d: _compare("llama", r, d, mixed=True, checkpointing=True),
+    # bf16 mixed precision and gradient checkpointing, the (tied) head with the root.
     "qwen3_tied_bf16_checkpointing": lambda r, d: _compare("qwen3", r, d, mixed=True, checkpointing=True),
     # A tied head grouped with its embedding (the group FSDP2 requires when they are not the root's).
     "qwen3_tied_head_embedding_group": lambda r, d: _compare("qwen3", r, d, mixed=False, checkpointing=False,
