@@ -58,6 +58,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/nn/test_sparsemax.py", "tests/ops/test_relu_squared.py", "tests/nn/test_relu_squared.py",
         "tests/ops/test_tvd.py", "tests/nn/test_tvd.py",
     ),
+    # Two ranks: NCCL where two GPUs are visible, else gloo on the CPU (the GPU hidden).
+    "14": ("tests/distributed",),
 }
 # Shards whose tests run kernels (what memcheck is for).
 KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12", "13")

@@ -213,13 +213,33 @@ def cmd_compare(args) -> int:
         # Another family than the default: its first registry preset on a GPU, tiny on the CPU.
         choices = list(presets.PRESETS.get(model_type, {}))
         changes["preset"] = choices[0] if (where == "cuda" and choices) else "tiny"
+    rank = 0
+    if args.fsdp:
+        changes["fsdp"] = True
+        try:
+            rank, _ = compare.init_distributed(where)
+        except ValueError as exc:
+            print(f"onca compare: {exc}", file=sys.stderr)
+            return 2
     settings = dataclasses.replace(settings, **changes)
     if settings.steps <= settings.warmup_steps:
         settings = dataclasses.replace(settings, warmup_steps=settings.steps - 1)
-    results, config = compare.run(settings, show_progress=not args.no_progress)
-    print(compare.report(results, settings, config))
-    if args.plot:
-        print(f"plot: {compare.plot(results, settings, args.plot)}")
+    results, config = compare.run(settings, show_progress=not args.no_progress and rank == 0)
+    if rank == 0:
+        print(compare.report(results, settings, config))
+        if args.plot:
+            print(f"plot: {compare.plot(results, settings, args.plot)}")
+        if args.output:
+            import json
+
+            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+            with open(args.output, "w") as f:
+                json.dump(compare.to_json(results, settings, config), f, indent=1)
+            print(f"output: {args.output}")
+    if args.fsdp:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0 if all(r.ok or r.variant == "liger" for r in results) else 1
 
 
@@ -324,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write a PNG of the loss curves and memory (default onca-compare.png; "
                               "needs matplotlib: pip install 'onca[plot]')")
     compare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    compare.add_argument("--fsdp", action="store_true",
+                         help="FSDP2 over the ranks torchrun starts (torchrun --nproc_per_node N -m onca.cli "
+                              "compare --fsdp ...): tokens/s and peak memory per GPU")
+    compare.add_argument("--output", help="also write the comparison as JSON to this path")
     compare.set_defaults(func=cmd_compare)
     audit = sub.add_parser("audit", help="compile every kernel with triton-ascend, without an NPU", parents=[debug],
                            description="Compile every kernel of the ops' D2 sweeps (model shapes), under "

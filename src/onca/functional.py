@@ -57,6 +57,10 @@ from onca.ops.fused_linear_kto import fused_linear_kto
 from onca.ops.fused_linear_orpo import fused_linear_orpo
 from onca.ops.fused_linear_simpo import fused_linear_simpo
 
+from onca.ops.vocab_parallel_cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_fused_linear_cross_entropy,
+)
 
 __all__ = [
     "rms_norm",
@@ -100,4 +104,6 @@ __all__ = [
     "softmax",
     "sparsemax",
     "tvd",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_fused_linear_cross_entropy",
 ]

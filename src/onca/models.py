@@ -37,6 +37,7 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("llama-3-8b", "llama", 4096, 14336, 32, 8, 128, 128256, 32),
         ModelConfig("llama-3-70b", "llama", 8192, 28672, 64, 8, 128, 128256, 80),
         ModelConfig("llama-3.1-405b", "llama", 16384, 53248, 128, 8, 128, 128256, 126),
+        ModelConfig("llama-3.2-1b", "llama", 2048, 8192, 32, 8, 64, 128256, 16, tie_word_embeddings=True),
         ModelConfig("qwen3-0.6b", "qwen3", 1024, 3072, 16, 8, 128, 151936, 28, rms_norm_eps=1e-6,
                     tie_word_embeddings=True),
         ModelConfig("qwen3-8b", "qwen3", 4096, 12288, 32, 8, 128, 151936, 36, rms_norm_eps=1e-6),

@@ -172,6 +172,7 @@ def _cross_entropy_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    FOREIGN_TARGETS: tl.constexpr = False,
 ):
     """One kernel, three uses:
 
@@ -194,6 +195,10 @@ def _cross_entropy_kernel(
 
     A target outside ``[0, n_cols)`` that is not ``ignore_index`` is never used as an offset: its
     row's loss and gradient are NaN, so that a bad label shows in the loss without a host check.
+    With ``FOREIGN_TARGETS`` (a vocabulary shard: the columns are one rank's slice of the
+    vocabulary, the targets already shifted to it) such a target is another shard's class: the row
+    still counts (its log-sum-exp and softmax term are computed, with a target weight of 1: no class
+    weights) but has no target term here.
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -209,8 +214,12 @@ def _cross_entropy_kernel(
         row_mask = rows < n_rows
         y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
         valid = row_mask & (y != ignore_index)
-        bad = valid & ((y < 0) | (y >= n_cols))
-        readable = valid & ~bad
+        outside = (y < 0) | (y >= n_cols)
+        if FOREIGN_TARGETS:
+            bad = valid & (y != y)  # nothing is bad: outside targets belong to another shard
+        else:
+            bad = valid & outside
+        readable = valid & ~outside
         # Class indices fit int32 (the vocabulary does): compared per element in 32 bits.
         y = tl.where(readable, y, 0).to(tl.int32)
         rows64 = rows.to(tl.int64)
@@ -305,6 +314,9 @@ def _cross_entropy_kernel(
             # Row coefficients first, so that each element costs one fma and one select.
             y_coef = scale * ((1.0 - label_smoothing) * w_y)
             p_coef = y_coef + scale * (smooth_eps * weight_total)
+            if FOREIGN_TARGETS:
+                # Another shard's target still weighs the softmax term (no class weights here).
+                p_coef = tl.where(valid & outside, scale * (1.0 - label_smoothing), 0.0) + p_coef
             if HAS_Z:
                 p_coef += z_scale * (2.0 * lse_square_scale) * lse
             off = scale * smooth_eps
@@ -404,6 +416,7 @@ def cross_entropy_rows(
     weight: Tensor | None = None,
     weight_total: Tensor | None = None,
     token_scaling: bool = False,
+    foreign_targets: bool = False,
 ) -> None:
     """Launch the kernel over the rows of ``x`` (``(rows, vocab)``, unit column stride, rows >= 1).
 
@@ -413,7 +426,8 @@ def cross_entropy_rows(
     it, scaled per row by ``scale`` (a 0-d or ``(rows,)`` tensor on the device; None: 1), its
     z-loss part by ``z_scale`` (default ``scale``). ``weight``: the class weights, with
     ``weight_total`` their fp32 sum (0-d). ``softcap`` 0 is none. No validation here: the public
-    functions validate.
+    functions validate. ``foreign_targets``: ``x`` is a shard of the vocabulary and a target outside
+    ``[0, vocab)`` is another shard's class (no target term, no NaN; see the kernel).
     """
     rows, cols = x.shape
     weighted_smoothing = weight is not None and label_smoothing > 0
@@ -433,7 +447,7 @@ def cross_entropy_rows(
         COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, WRITE_PRED=predicted is not None,
         HAS_SOFTCAP=softcap != 0.0, HAS_SMOOTHING=label_smoothing > 0, HAS_Z=lse_square_scale != 0,
         HAS_SCALE=scale is not None, HAS_WEIGHT=weight is not None, WEIGHTED_OFF=weighted_smoothing,
-        TOKEN_SCALING=token_scaling,
+        TOKEN_SCALING=token_scaling, FOREIGN_TARGETS=foreign_targets,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )

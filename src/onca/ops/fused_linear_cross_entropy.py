@@ -433,7 +433,11 @@ def fused_linear_cross_entropy(
     dtype first, as ``F.linear`` would (``ce_weight`` is not). The loss is fp32. With
     ``reduction="sum"`` divide by ``num_items_in_batch`` yourself (Hugging Face's gradient
     accumulation); ``reduction="none"`` returns per-token losses (its backward recomputes the
-    logits chunk by chunk). See the module docstring.
+    logits chunk by chunk). A DTensor ``weight`` sharded by rows (``Shard(0)``: a tensor-parallel,
+    vocabulary-sharded head; ``bias`` sharded likewise) is computed by
+    :func:`onca.ops.vocab_parallel_cross_entropy.vocab_parallel_fused_linear_cross_entropy` (no
+    logits gathered; ``hidden`` and ``target`` the same on every rank), a replicated one on its
+    local tensor. See the module docstring.
     """
     validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
     check_bool(return_z_loss, "return_z_loss")
@@ -446,6 +450,10 @@ def fused_linear_cross_entropy(
     extras = {"ce_weight": ce_weight, "use_token_scaling": use_token_scaling,
               "return_token_accuracy": return_token_accuracy,
               "return_predicted_tokens": return_predicted_tokens}
+    if type(weight) not in (Tensor, torch.nn.Parameter):  # a DTensor head
+        sharded = _sharded_head(hidden, weight, target, bias, *args, extras)
+        if sharded is not None:
+            return sharded
     device_type = hidden.device.type
     # A device type without autocast (``meta``, as in ``onca audit``) has nothing to cast.
     if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
@@ -454,3 +462,31 @@ def fused_linear_cross_entropy(
     cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
     with torch.autocast(device_type, enabled=False):
         return _fused_linear_cross_entropy(cast(hidden), cast(weight), target, cast(bias), *args, **extras)
+
+
+def _sharded_head(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, lse_square_scale,
+                  softcap, return_z_loss, accum_dtype, chunk_tokens, extras):
+    """A DTensor head: rows sharded over a mesh dimension (``Shard(0)``, tensor parallelism) go to
+    :func:`onca.ops.vocab_parallel_cross_entropy.vocab_parallel_fused_linear_cross_entropy`; a
+    replicated one is taken as its local tensor. None: not a DTensor head."""
+    from onca.ops.vocab_parallel_cross_entropy import _is_dtensor, shard_of, vocab_parallel_fused_linear_cross_entropy
+
+    if not _is_dtensor(weight):
+        return None
+    if shard_of(weight, 0, "weight") is None:
+        local = lambda t: t.to_local() if _is_dtensor(t) else t  # noqa: E731
+        return fused_linear_cross_entropy(local(hidden), local(weight), local(target), local(bias), ignore_index,
+                                          label_smoothing, reduction, lse_square_scale, softcap, return_z_loss,
+                                          accum_dtype, chunk_tokens, **extras)
+    unsupported = {"label_smoothing": label_smoothing != 0.0, "softcap": softcap is not None,
+                   "ce_weight": extras["ce_weight"] is not None, "use_token_scaling": extras["use_token_scaling"],
+                   "return_token_accuracy": extras["return_token_accuracy"],
+                   "return_predicted_tokens": extras["return_predicted_tokens"], "reduction": reduction == "none"}
+    for name, used in unsupported.items():
+        if used:
+            raise ValueError(f"{name} is not supported with a vocabulary-sharded head (weight is a DTensor with "
+                             f"placements {tuple(weight.placements)})")
+    return vocab_parallel_fused_linear_cross_entropy(
+        hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+        lse_square_scale=lse_square_scale, return_z_loss=return_z_loss, accum_dtype=accum_dtype,
+        chunk_tokens=chunk_tokens)

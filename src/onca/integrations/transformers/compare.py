@@ -38,6 +38,9 @@ class Settings:
     seed: int = 0
     device: str = "cpu"
     variants: tuple[str, ...] = VARIANTS
+    # FSDP2 (``fully_shard`` per decoder layer and at the root) over the ranks torchrun started:
+    # each rank trains on its own batches; throughput and peak memory are per GPU.
+    fsdp: bool = False
 
 
 @dataclass
@@ -116,7 +119,58 @@ def _build_model(settings: Settings, config):
         model = transformers.AutoModelForCausalLM.from_pretrained(settings.model, dtype=settings.dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=settings.dtype)
-    return model.to(settings.device)
+    return model.to(_device(settings))
+
+
+# ------------------------------------------------------------------------------ distributed (FSDP2)
+
+
+def distributed() -> bool:
+    """Whether torch.distributed is initialised (``onca compare --fsdp`` under torchrun)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    """Join the process group torchrun set up (NCCL on GPUs, one per local rank; gloo on the CPU);
+    returns ``(rank, world size)``."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError("onca compare --fsdp runs under torchrun: torchrun --nproc_per_node N -m onca.cli "
+                         "compare --fsdp ...")
+    if not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _device(settings: Settings):
+    if settings.device == "cuda" and distributed():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(settings.device)
+
+
+def _shard(model):
+    """FSDP2 as the usual recipe: each decoder layer, then the root (embedding, norm and head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _across_ranks(value: float, op: str) -> float:
+    """``value`` reduced over the ranks (``"max"`` or ``"avg"``); itself without distributed."""
+    if not distributed():
+        return value
+    import torch.distributed as dist
+
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.item() / (1 if op == "max" else dist.get_world_size())
 
 
 def _patch(variant: str, model):
@@ -142,8 +196,10 @@ def _unpatch(variant: str, model):
 
 def batches(settings: Settings, vocab_size: int) -> list[torch.Tensor]:
     """A fixed token stream, the same for every variant: four random batches cycled, so that the
-    loss falls visibly as they are learnt (speed does not depend on the tokens)."""
-    g = torch.Generator().manual_seed(settings.seed + 1)
+    loss falls visibly as they are learnt (speed does not depend on the tokens). Distributed, each
+    rank has its own stream."""
+    rank = torch.distributed.get_rank() if distributed() else 0
+    g = torch.Generator().manual_seed(settings.seed + 1 + 1000 * rank)
     distinct = [torch.randint(0, vocab_size, (settings.batch, settings.seq), generator=g)
                 for _ in range(min(4, settings.steps))]
     return [distinct[i % len(distinct)] for i in range(settings.steps)]
@@ -158,6 +214,8 @@ def train(variant: str, settings: Settings, config, data, progress=None) -> RunR
         _patch(variant, model)
         if settings.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if settings.fsdp:
+            _shard(model)
         model.train()
         forward = torch.compile(model) if settings.compile else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, **({"fused": True} if cuda else {}))
@@ -165,7 +223,7 @@ def train(variant: str, settings: Settings, config, data, progress=None) -> RunR
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         for tokens in data:
-            tokens = tokens.to(settings.device)
+            tokens = tokens.to(_device(settings))
             _sync(cuda)
             start = time.perf_counter()
             loss = forward(input_ids=tokens, labels=tokens).loss
@@ -173,12 +231,13 @@ def train(variant: str, settings: Settings, config, data, progress=None) -> RunR
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _sync(cuda)
-            result.step_ms.append((time.perf_counter() - start) * 1e3)
-            result.losses.append(loss.item())
+            # Distributed: the slowest rank's step time, the loss averaged over the ranks' batches.
+            result.step_ms.append(_across_ranks((time.perf_counter() - start) * 1e3, "max"))
+            result.losses.append(_across_ranks(loss.item(), "avg"))
             if progress is not None:
                 progress.update(1)
         if cuda:
-            result.peak_mb = torch.cuda.max_memory_allocated() / 2**20
+            result.peak_mb = _across_ranks(torch.cuda.max_memory_allocated() / 2**20, "max")
     except ImportError as exc:
         result.error = f"not installed ({exc})"
     except torch.OutOfMemoryError as exc:
@@ -234,6 +293,11 @@ def report(results: list[RunResult], settings: Settings, config) -> str:
         f"{'torch.compile, ' if settings.compile else ''}{settings.device}",
         "",
     ]
+    if settings.fsdp:
+        world = torch.distributed.get_world_size() if distributed() else 1
+        lines.insert(1, f"FSDP2 (fully_shard per decoder layer and at the root) over {world} ranks, each with its "
+                        "own batch: tokens/s and peak MB are per GPU (the slowest rank's step, the largest "
+                        "peak); losses are averaged over the ranks")
     head = f"{'':14s}{'tokens/s':>12s}{'step ms':>10s}{'peak MB':>10s}{'final loss':>12s}{'speed':>8s}{'memory':>8s}"
     lines.append(head)
     for r in results:
@@ -256,6 +320,23 @@ def report(results: list[RunResult], settings: Settings, config) -> str:
     if settings.device != "cuda":
         lines.append("(CPU: kernels run under Triton's interpreter; timings here say nothing about GPU speed)")
     return "\n".join(lines)
+
+
+def to_json(results: list[RunResult], settings: Settings, config) -> dict:
+    """The comparison as one JSON object (what ``onca compare --output`` writes)."""
+    tokens = settings.batch * settings.seq
+    world = torch.distributed.get_world_size() if distributed() else 1
+    gpu = torch.cuda.get_device_name() if settings.device == "cuda" else "cpu"
+    return {
+        "model_type": config.model_type, "preset": settings.preset, "hidden_size": config.hidden_size,
+        "layers": config.num_hidden_layers, "vocab_size": config.vocab_size, "batch_per_gpu": settings.batch,
+        "seq": settings.seq, "steps": settings.steps, "warmup_steps": settings.warmup_steps,
+        "dtype": str(settings.dtype).replace("torch.", ""), "gradient_checkpointing": settings.gradient_checkpointing,
+        "fsdp": settings.fsdp, "world_size": world, "gpu_name": gpu,
+        "variants": {r.variant: ({"error": r.error} if not r.ok else {
+            "tokens_per_s_per_gpu": r.tokens_per_s(tokens, settings.warmup_steps),
+            "peak_mb_per_gpu": r.peak_mb, "step_ms": r.step_ms, "losses": r.losses}) for r in results},
+    }
 
 
 def plot(results: list[RunResult], settings: Settings, path: str) -> str:

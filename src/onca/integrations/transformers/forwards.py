@@ -10,6 +10,7 @@ import ast
 import functools
 import inspect
 import textwrap
+import types
 import weakref
 
 import torch
@@ -383,13 +384,79 @@ def causal_lm_loss(model, family: Family, hidden, labels, shift_labels, num_item
     softcap = getattr(model.config, family.softcap_attr, None) if family.softcap_attr else None
     lm_head = model.get_output_embeddings()
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = OF.fused_linear_cross_entropy(hidden, lm_head.weight, target, bias=lm_head.bias,
-                                         ignore_index=IGNORE_INDEX, reduction=reduction, softcap=softcap)
+
+    def head_loss(hidden, target):
+        # The head's weight is read here, inside the FSDP owner's forward hooks when there is one.
+        return OF.fused_linear_cross_entropy(hidden, lm_head.weight, target, bias=lm_head.bias,
+                                             ignore_index=IGNORE_INDEX, reduction=reduction, softcap=softcap)
+
+    owner = fsdp_owner(model, lm_head)
+    loss = head_loss(hidden, target) if owner is None else _fsdp_call(owner, head_loss, hidden, target)
     if num_items_in_batch is None:
         return torch.where((target != IGNORE_INDEX).any(), loss, torch.zeros_like(loss))
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+def fsdp_owner(model, lm_head):
+    """The FSDP2 module (``fully_shard``) whose hooks must gather the head's weight before Onca reads
+    it, or None.
+
+    Onca computes the loss from ``lm_head.weight`` without calling ``lm_head``, so ``lm_head``'s
+    own forward hooks never run. Under FSDP2 that matters when the weight belongs to a group other
+    than the root's (whose forward this is, so its parameters are gathered): a head sharded on its
+    own (``fully_shard(model.lm_head)``), or a head tied to an input embedding sharded on its own
+    group (already resharded after the embedding's forward). The weight would then be the sharded
+    DTensor; the loss is instead run as a forward method of that group's module
+    (``register_fsdp_forward_method``), which gathers the weight, reshards it after, and
+    reduce-scatters its gradient as for any forward."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    if not isinstance(model, FSDPModule) and not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return None
+    holders = [lm_head]
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None and getattr(embeddings, "weight", None) is lm_head.weight:
+        holders.append(embeddings)  # tied: the parameter is managed where fully_shard first saw it
+    names = {id(m): name for name, m in model.named_modules()}
+    groups = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    for holder in holders:
+        path = names.get(id(holder))
+        if path is None:
+            continue
+        # The innermost FSDP module containing the holder manages its parameters.
+        inner = max(((n, m) for n, m in groups if n == "" or path == n or path.startswith(n + ".")),
+                    key=lambda nm: len(nm[0]), default=None)
+        if inner is not None and inner[1] is not model and _manages(inner[1], lm_head.weight):
+            return inner[1]
+    return None
+
+
+def _manages(module, weight) -> bool:
+    """Whether ``weight`` is one of the parameters FSDP2 shards in ``module``'s group."""
+    state = module._get_fsdp_state()
+    group = getattr(state, "_fsdp_param_group", None)
+    if group is None:
+        return False
+    return any(p.sharded_param is weight or getattr(p, "_unsharded_param", None) is weight
+               for p in group.fsdp_params)
+
+
+def _fsdp_call(owner, fn, *args):
+    """``fn(*args)`` as a forward of the FSDP2 module ``owner``: its parameters gathered around the
+    call, its gradients reduce-scattered after the backward that reaches ``args``."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not getattr(owner, "_onca_fsdp_call", None):
+        owner._onca_fsdp_run = types.MethodType(lambda self, fn, *a: fn(*a), owner)
+        register_fsdp_forward_method(owner, "_onca_fsdp_run")
+        owner._onca_fsdp_call = True
+    return owner._onca_fsdp_run(fn, *args)
 
 
 def _output(family: Family, outputs, loss, aux_loss):

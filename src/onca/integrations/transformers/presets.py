@@ -33,7 +33,7 @@ _TIED = {"gemma", "gemma2", "gemma3_text", "qwen3"}
 # `--preset` names mapped to registry models, per family (the first is the default).
 PRESETS = {
     "qwen3": {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"},
-    "llama": {"8b": "llama-3-8b", "70b": "llama-3-70b"},
+    "llama": {"8b": "llama-3-8b", "70b": "llama-3-70b", "1b": "llama-3.2-1b"},
     "qwen2": {"7b": "qwen2.5-7b"},
     "mistral": {"7b": "mistral-7b"},
     "gemma2": {"9b": "gemma-2-9b"},

@@ -1,0 +1,540 @@
+"""Vocabulary-parallel cross entropy: the loss of logits (or of a head) sharded over the vocabulary.
+
+Under tensor parallelism the LM head ``(V, H)`` is split by rows over the ranks of a process group
+(a DTensor ``Shard(0)`` weight, Megatron's vocabulary-parallel head): rank ``r`` holds the classes
+``[start_r, start_r + V_r)`` and every rank holds the same hidden states and targets. Gathering the
+``(tokens, V)`` logits on every rank to take an ordinary cross entropy would undo the sharding;
+here each rank only ever has its own ``(tokens, V_r)`` slice. Per token::
+
+    lse_r   = log(sum_{j in shard r} exp(z_j))             (local, Onca's cross-entropy kernel)
+    M       = max_r lse_r                                    (all-reduce MAX, one fp32 per token)
+    lse     = M + log(sum_r exp(lse_r - M))                  (all-reduce SUM, with the target logit)
+    z_y     = the target's logit, read on the rank that holds it, 0 elsewhere   (all-reduce SUM)
+    loss    = lse - z_y + lse_square_scale * lse**2
+
+so the ranks exchange three fp32 numbers per token, never logits. The gradient is local::
+
+    dloss/dz_j = softmax(z)_j * (s + s * 2 * lse_square_scale * lse) - s * [j == y]   (j in the shard)
+
+with ``s`` the reduction's scale: each rank writes the gradient of its own slice from the global
+``lse`` with the same kernel (a target on another rank's shard simply has no target term here).
+
+Two public functions:
+
+- :func:`vocab_parallel_cross_entropy` takes the local logits ``(..., V_r)`` (or a DTensor sharded
+  on its last dimension). Forward reads them once and saves them with the global fp32 ``lse``;
+  backward reads them once more and writes their gradient; no communication in backward.
+- :func:`vocab_parallel_fused_linear_cross_entropy` takes the hidden states and the local head rows
+  ``(V_r, H)`` (or a DTensor ``Shard(0)`` weight; :func:`onca.ops.fused_linear_cross_entropy.
+  fused_linear_cross_entropy` routes such a weight here): the chunked fused linear cross entropy of
+  ``onca.ops.fused_linear_cross_entropy`` over the local vocabulary, with one exchange per chunk of
+  tokens (``3 * chunk`` fp32 numbers) between the kernel's log-sum-exp pass and its gradient pass.
+  The gradients are computed in the forward pass: the local head's ``dW_r`` and ``db_r``, and the
+  hidden states' gradient, a sum over the shards, all-reduced once at the end (what a
+  column-parallel layer's backward does with its replicated input). Saved for backward: the three
+  gradients.
+
+The loss is the same on every rank (fp32 for the fused function, the logits' dtype for the other).
+Both take ``ignore_index``, ``reduction`` (``"mean"``, ``"sum"``; ``"none"`` for the logits
+function) and the z-loss ``lse_square_scale``. Label smoothing, class weights and soft-capping are
+not offered on sharded logits. A target outside ``[0, V)`` that is not ``ignore_index`` gives NaN.
+The collectives run on the process group named by the op (``group.group_name``), so the ops are
+custom ops like every other and trace under ``torch.compile`` as opaque calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from onca.device import DeviceProfile
+from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._rows import as_rows
+from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
+from onca.ops.cross_entropy import (
+    REDUCTIONS,
+    TILES as CE_TILES,
+    ForwardGradients,
+    check_target,
+    count_targets,
+    cross_entropy_rows,
+    gradient_scales,
+    reduce_loss,
+    reduce_rows,
+    scale_forward_gradient,
+)
+from onca.ops.fused_linear_cross_entropy import _accumulate_dw, _grad_buffers, _plan_for
+from onca.tiling import RowPlan, plan_rows
+
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy", "plan",
+           "shard_of"]
+
+
+# ------------------------------------------------------------------------------------------ plans
+
+
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
+    """The cross-entropy kernel's plan over local logits of ``shape`` (``(tokens, local vocab)``):
+    the log-sum-exp pass (forward) and the gradient pass (backward) use the same one."""
+    rows = 1
+    for s in tuple(shape)[:-1]:
+        rows *= int(s)
+    p = plan_rows(rows, int(shape[-1]), dtype, profile=profile, **CE_TILES)
+    return {"forward": p, "backward": p}
+
+
+# ----------------------------------------------------------------------------------- the shards
+
+
+def _group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _local_targets(target: Tensor, vocab_start: int, vocab_local: int, vocab_total: int,
+                   ignore_index: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """``(local targets, valid, bad, local ignore index)``: targets shifted to this shard; targets of
+    other shards mapped outside ``[0, vocab_local)`` (the kernel's foreign targets), never onto the
+    ignore index. ``bad``: non-ignored targets outside the whole vocabulary (NaN rows)."""
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab_total))
+    local = target - vocab_start
+    outside = -1 if ignore_index != -1 else vocab_local
+    in_shard = valid & (local >= 0) & (local < vocab_local)
+    local = torch.where(in_shard, local, torch.where(valid, outside, ignore_index))
+    return local, valid, bad, ignore_index
+
+
+def _target_logit(logits: Tensor, local: Tensor) -> Tensor:
+    """The fp32 logit of each row's target on this shard, 0 where the target is elsewhere."""
+    vocab_local = logits.shape[1]
+    here = (local >= 0) & (local < vocab_local)
+    index = torch.where(here, local, 0).to(torch.int64)
+    return torch.where(here, logits.gather(1, index[:, None]).squeeze(1).to(torch.float32), 0.0)
+
+
+def _global_lse(lse_local: Tensor, z_y: Tensor, valid: Tensor, group) -> tuple[Tensor, Tensor]:
+    """The global log-sum-exp and target logit per row from every shard's: two all-reduces of
+    ``rows`` and ``2 * rows`` fp32 numbers."""
+    m = lse_local.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    both = torch.stack((torch.exp(lse_local - m), z_y))
+    dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+    lse = torch.where(valid, m + torch.log(both[0]), 0.0)
+    return lse, both[1]
+
+
+def _local_lse(logits: Tensor, local: Tensor, ignore_index: int, lse: Tensor) -> None:
+    """This shard's log-sum-exp of each row into ``lse`` (0 on ignored rows): the kernel's first pass."""
+    junk = torch.empty_like(lse)
+    cross_entropy_rows(logits, local, ignore_index=ignore_index, label_smoothing=0.0, lse_square_scale=0.0,
+                       softcap=0.0, compute_lse=True, lse=lse, loss=junk, z=junk, foreign_targets=True)
+
+
+def _row_losses(lse: Tensor, z_y: Tensor, valid: Tensor, bad: Tensor,
+                lse_square_scale: float) -> tuple[Tensor, Tensor]:
+    ce = torch.where(bad, float("nan"), torch.where(valid, lse - z_y, 0.0))
+    z = torch.where(valid, lse_square_scale * lse * lse, 0.0)
+    return ce, z
+
+
+def _row_scale(scale: Tensor | None, bad: Tensor) -> Tensor:
+    """The per-row gradient scale, NaN on rows with a bad target (the kernel sees no bad targets)."""
+    one = torch.ones((), dtype=torch.float32, device=bad.device) if scale is None else scale
+    return torch.where(bad, float("nan"), one.to(torch.float32)).contiguous()
+
+
+# ------------------------------------------------------------------------------ logits (sharded)
+
+
+@custom_op("vocab_parallel_cross_entropy_forward")
+def vocab_parallel_cross_entropy_forward(
+    logits: Tensor, target: Tensor, group_name: str, vocab_start: int, vocab_total: int, ignore_index: int,
+    lse_square_scale: float, reduction: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, z_loss, lse)`` of the local logits ``(rows, V_r)``: the losses reduced in the
+    logits' dtype, the global fp32 log-sum-exp per row (0 on ignored rows)."""
+    rows, vocab_local = logits.shape
+    local, valid, bad, ignore = _local_targets(target, vocab_start, vocab_local, vocab_total, ignore_index)
+    lse_local = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _local_lse(logits, local, ignore, lse_local)
+    z_y = _target_logit(logits, local)
+    lse, z_y = _global_lse(lse_local, z_y, valid, _group(group_name))
+    ce_rows, z_rows = _row_losses(lse, z_y, valid, bad, lse_square_scale)
+    n_valid = count_targets(target, ignore_index)
+    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, None).to(logits.dtype)
+    z_loss = reduce_rows(z_rows, reduction, n_valid).to(logits.dtype)
+    return loss, z_loss, lse
+
+
+@vocab_parallel_cross_entropy_forward.register_fake
+def _(logits, target, group_name, vocab_start, vocab_total, ignore_index, lse_square_scale, reduction):
+    rows = logits.shape[0]
+    shape = (rows,) if reduction == "none" else ()
+    return logits.new_empty(shape), logits.new_empty(shape), logits.new_empty(rows, dtype=torch.float32)
+
+
+@custom_op("vocab_parallel_cross_entropy_backward")
+def vocab_parallel_cross_entropy_backward(
+    grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, vocab_start: int, vocab_total: int,
+    ignore_index: int, lse_square_scale: float, reduction: str,
+) -> Tensor:
+    """The local logits' gradient from the global ``lse``, scaled by the incoming gradient: local,
+    no communication."""
+    rows, vocab_local = logits.shape
+    grad = torch.empty((rows, vocab_local), dtype=logits.dtype, device=logits.device)
+    if rows == 0:
+        return grad
+    local, _, bad, ignore = _local_targets(target, vocab_start, vocab_local, vocab_total, ignore_index)
+    g = grad_loss.to(torch.float32)
+    scale, _ = gradient_scales(g.reshape(-1) if reduction == "none" else g, reduction,
+                               count_targets(target, ignore_index), None)
+    cross_entropy_rows(logits, local, ignore_index=ignore, label_smoothing=0.0,
+                       lse_square_scale=lse_square_scale, softcap=0.0, compute_lse=False, lse=lse, grad=grad,
+                       scale=_row_scale(scale, bad), foreign_targets=True)
+    return grad
+
+
+@vocab_parallel_cross_entropy_backward.register_fake
+def _(grad_loss, logits, target, lse, vocab_start, vocab_total, ignore_index, lse_square_scale, reduction):
+    return torch.empty_like(logits)
+
+
+def _ce_setup_context(ctx, inputs, output):
+    logits, target, _, vocab_start, vocab_total, ignore_index, lse_square_scale, reduction = inputs
+    _, z_loss, lse = output
+    ctx.mark_non_differentiable(z_loss, lse)
+    ctx.options = (vocab_start, vocab_total, ignore_index, lse_square_scale, reduction)
+    ctx.save_for_backward(logits, target, lse)
+
+
+def _ce_backward(ctx, grad_loss, *_):
+    logits, target, lse = ctx.saved_tensors
+    grad = vocab_parallel_cross_entropy_backward(grad_loss, logits, target, lse, *ctx.options)
+    return (grad,) + (None,) * 7
+
+
+register_autograd(vocab_parallel_cross_entropy_forward, _ce_backward, setup_context=_ce_setup_context)
+
+
+# --------------------------------------------------------------------------- head (sharded rows)
+
+
+@custom_op("vocab_parallel_fused_linear_cross_entropy_forward")
+def vocab_parallel_fused_linear_cross_entropy_forward(
+    hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, group_name: str, vocab_start: int,
+    vocab_total: int, ignore_index: int, lse_square_scale: float, reduction: str, accum_fp32: bool,
+    chunk_tokens: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z_loss, lse, dhidden, dweight, dbias)`` for the 2-D ``hidden`` and this rank's head
+    rows ``weight`` ``(V_r, H)``: fp32 losses reduced over the whole vocabulary, the global fp32
+    log-sum-exp per token, and the gradients asked for (``grad_*``, for a unit incoming gradient;
+    ``dhidden`` summed over the ranks; empty tensors otherwise)."""
+    tokens = hidden.shape[0]
+    vocab_local = weight.shape[0]
+    group = _group(group_name)
+    needs = (grad_hidden, grad_weight, grad_bias)
+    dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32) if any(needs) else (None,) * 3
+    local, valid, bad, ignore = _local_targets(target, vocab_start, vocab_local, vocab_total, ignore_index)
+    lse_local = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+    lse = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+    z_y = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+    n_valid = count_targets(target, ignore_index)
+    if tokens:
+        chunks = _plan_for(hidden, vocab_local, dw, chunk_tokens)
+        scale, _ = gradient_scales(None, reduction, n_valid, None)
+        scale = _row_scale(scale, bad)
+        scratch = torch.empty((chunks.chunk, vocab_local), dtype=hidden.dtype, device=hidden.device)
+        for index in range(chunks.n_chunks):
+            start, end = chunks.bounds(index)
+            h = hidden[start:end]
+            logits = scratch[: end - start]
+            if bias is None:
+                torch.mm(h, weight.t(), out=logits)
+            else:
+                torch.addmm(bias, h, weight.t(), out=logits)
+            # 1. This shard's log-sum-exp and target logit; 2. the global ones (3 numbers a token).
+            _local_lse(logits, local[start:end], ignore, lse_local[start:end])
+            chunk_lse, chunk_z_y = _global_lse(lse_local[start:end], _target_logit(logits, local[start:end]),
+                                               valid[start:end], group)
+            lse[start:end] = chunk_lse
+            z_y[start:end] = chunk_z_y
+            if not any(needs):
+                continue
+            # 3. The local slice's gradient from the global log-sum-exp, over the logits.
+            cross_entropy_rows(logits, local[start:end], ignore_index=ignore, label_smoothing=0.0,
+                               lse_square_scale=lse_square_scale, softcap=0.0, compute_lse=False,
+                               lse=lse[start:end], grad=logits, scale=scale[start:end], foreign_targets=True)
+            if dx is not None:
+                torch.mm(logits, weight, out=dx[start:end])
+            if dw is not None:
+                _accumulate_dw(dw, logits, h, first=index == 0)
+            if db is not None:
+                db += logits.sum(dim=0, dtype=torch.float32)
+    else:
+        # Every rank takes part in the same collectives, even with no tokens.
+        _global_lse(lse_local, z_y, valid, group)
+    if dx is not None:
+        dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=group)  # dhidden sums over the shards
+    ce_rows, z_rows = _row_losses(lse, z_y, valid, bad, lse_square_scale)
+    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, None)
+    z_loss = reduce_rows(z_rows, reduction, n_valid)
+    empty = hidden.new_empty(0)
+    return (loss, z_loss, lse, dx if dx is not None else empty,
+            dw.to(weight.dtype) if dw is not None else empty,
+            db.to(bias.dtype) if db is not None else empty)
+
+
+@vocab_parallel_fused_linear_cross_entropy_forward.register_fake
+def _(hidden, weight, target, bias, group_name, vocab_start, vocab_total, ignore_index, lse_square_scale,
+      reduction, accum_fp32, chunk_tokens, grad_hidden, grad_weight, grad_bias):
+    tokens = hidden.shape[0]
+    loss, z_loss = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((), dtype=torch.float32)
+    lse = hidden.new_empty(tokens, dtype=torch.float32)
+    return (loss, z_loss, lse,
+            hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if grad_weight else hidden.new_empty(0),
+            bias.new_empty(bias.shape) if grad_bias else hidden.new_empty(0))
+
+
+def _flce_setup_context(ctx, inputs, output):
+    hidden = inputs[0]
+    ctx.needs = tuple(inputs[-3:])
+    loss, z_loss, lse, dx, dw, db = output
+    ctx.mark_non_differentiable(z_loss, lse, dx, dw, db)
+    ctx.eager = not tracing(hidden, loss)
+    if ctx.eager:
+        ctx.grads = ForwardGradients([t if need else None for t, need in zip((dx, dw, db), ctx.needs)], loss)
+    else:
+        ctx.save_for_backward(dx, dw, db)
+
+
+def _flce_backward(ctx, grad_loss, *_):
+    if ctx.eager:
+        grads = ctx.grads.take(grad_loss)
+    else:
+        grads = [scale_forward_gradient(t, grad_loss, None, False) if need else None
+                 for t, need in zip(ctx.saved_tensors, ctx.needs)]
+    dx, dw, db = (g if need else None for g, need in zip(grads, ctx.needs))
+    return (dx, dw, None, db) + (None,) * 11
+
+
+register_autograd(vocab_parallel_fused_linear_cross_entropy_forward, _flce_backward,
+                  setup_context=_flce_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def shard_of(t, dim: int, name: str):
+    """``(local tensor, process group, start, total)`` of a DTensor sharded on ``dim`` over one mesh
+    dimension (replicated over any other), or None for a DTensor with no ``Shard(dim)`` placement.
+    The local tensor keeps the autograd link to the DTensor. Uneven shards are allowed (the start
+    is the DTensor's own offset of this rank's piece)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dim = dim % t.dim()
+    placements = tuple(t.placements)
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+    if not sharded:
+        return None
+    others = [p for i, p in enumerate(placements) if i != sharded[0]]
+    if len(sharded) > 1 or not all(isinstance(p, Replicate) for p in others):
+        raise ValueError(f"{name} must be sharded over one mesh dimension (Shard({dim})) and replicated "
+                         f"over the others, got placements {placements}")
+    mesh = t.device_mesh
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    return t.to_local(), mesh.get_group(sharded[0]), int(offset[dim]), int(t.shape[dim])
+
+
+def _replicated_local(t, name: str):
+    """A plain tensor as it is; a DTensor replicated on every mesh dimension as its local tensor."""
+    if not _is_dtensor(t):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    if not all(isinstance(p, Replicate) for p in t.placements):
+        raise ValueError(f"{name} must be replicated over the vocabulary's process group (the same on every "
+                         f"rank), got a DTensor with placements {tuple(t.placements)}")
+    return t.to_local()
+
+
+def _resolve(group, vocab_local: int, vocab_start, name: str) -> tuple[str, int, int]:
+    """``(group name, this rank's vocabulary start, total vocabulary)`` for plain local shards:
+    even shards (``start = rank * V_r``) unless ``vocab_start`` is given, then the total is the
+    sum of the shards' sizes (asked of the group once, on the host)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"a vocabulary-parallel {name} needs torch.distributed initialised (the process group "
+                         "the vocabulary is sharded over)")
+    if group is None:
+        group = dist.group.WORLD
+    elif hasattr(group, "get_group"):  # a 1-D DeviceMesh
+        group = group.get_group()
+    world = dist.get_world_size(group)
+    if vocab_start is None:
+        return group.group_name, dist.get_rank(group) * vocab_local, world * vocab_local
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start must be None or an int >= 0, got {vocab_start!r}")
+    sizes = [None] * world
+    dist.all_gather_object(sizes, vocab_local, group=group)
+    return group.group_name, vocab_start, sum(sizes)
+
+
+def _check_common(ignore_index, reduction, lse_square_scale, return_z_loss, allowed=REDUCTIONS):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in allowed:
+        raise ValueError(f"reduction must be one of {allowed}, got {reduction!r}")
+    check_number(lse_square_scale, "lse_square_scale", minimum=0.0)
+    if lse_square_scale == float("inf"):
+        raise ValueError(f"lse_square_scale must be a finite number >= 0, got {lse_square_scale!r}")
+    check_bool(return_z_loss, "return_z_loss")
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    group=None,
+    *,
+    vocab_start: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    return_z_loss: bool = False,
+):
+    """Cross entropy of logits sharded over the vocabulary across the ranks of ``group``, without
+    gathering them: ``cross_entropy(cat(logits of every rank, dim=-1), target)``.
+
+    ``logits`` ``(..., V_r)``: this rank's slice of the vocabulary (classes ``[vocab_start,
+    vocab_start + V_r)``), or a DTensor sharded on its last dimension (``Shard(-1)``, e.g. the
+    output of a column-parallel head kept as a DTensor; its mesh gives the group and the offsets).
+    ``target`` ``(...)``: the global class indices, the same on every rank (a replicated DTensor
+    is taken as its local tensor). ``group``: a process group or 1-D ``DeviceMesh`` (default the
+    whole world) for plain tensors. ``vocab_start`` None means even shards (``rank * V_r``);
+    given, the shards may be uneven (their sizes are gathered once). Options as
+    :func:`onca.ops.cross_entropy.cross_entropy`: ``ignore_index``, ``reduction`` (``"mean"``,
+    ``"sum"``, ``"none"``), ``lse_square_scale`` (z-loss) and ``return_z_loss``. Every rank
+    returns the same loss (a plain tensor in the logits' dtype); the logits' gradient is this
+    rank's slice. Two all-reduces of per-token fp32 numbers in forward, none in backward. Every
+    rank of the group must call it with the same targets. See the module docstring.
+    """
+    _check_common(ignore_index, reduction, lse_square_scale, return_z_loss)
+    check_tensor(logits, "logits")
+    group_name = None
+    if _is_dtensor(logits):
+        shard = shard_of(logits, -1, "logits")
+        if shard is None:
+            raise ValueError("logits is a DTensor not sharded on its last dimension: use "
+                             "onca.functional.cross_entropy on its local tensor (nothing is sharded)")
+        logits, pg, start, total = shard
+        group_name = pg.group_name
+    target = _replicated_local(target, "target")
+    check_float(logits, "logits")
+    if logits.dim() < 2 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be (tokens, vocab shard) or (..., vocab shard) with a non-empty shard, "
+                         f"got shape {tuple(logits.shape)}")
+    target1d = check_target(target, "target", logits.shape[:-1], "the logits' shape without the vocab")
+    check_same_device(target, "target", logits, "logits")
+    if group_name is None:
+        group_name, start, total = _resolve(group, logits.shape[-1], vocab_start, "cross entropy")
+    loss, z_loss, _ = vocab_parallel_cross_entropy_forward(
+        as_rows(logits), target1d, group_name, start, total, ignore_index, float(lse_square_scale), reduction)
+    if reduction == "none":
+        loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
+    return (loss, z_loss) if return_z_loss else loss
+
+
+def vocab_parallel_fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    group=None,
+    *,
+    vocab_start: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    return_z_loss: bool = False,
+    accum_dtype: torch.dtype | None = None,
+    chunk_tokens: int | None = None,
+):
+    """``cross_entropy(hidden @ W.T + b, target)`` for a head ``W`` ``(V, H)`` sharded by rows over
+    the ranks of ``group`` (tensor / vocabulary parallelism), without the logits and without
+    gathering anything vocabulary-sized.
+
+    ``weight``: this rank's rows ``(V_r, H)`` (classes ``[vocab_start, vocab_start + V_r)``), or a
+    DTensor ``Shard(0)`` (its mesh gives the group and offsets; the gradient reaches it as a
+    DTensor); ``bias`` ``(V_r,)`` likewise (or None). ``hidden`` ``(..., H)`` and ``target``
+    ``(...)`` are the same on every rank (replicated DTensors are taken as their local tensors).
+    ``group``, ``vocab_start`` as :func:`vocab_parallel_cross_entropy`; ``ignore_index``,
+    ``reduction`` (``"mean"`` or ``"sum"``), ``lse_square_scale``, ``return_z_loss``,
+    ``accum_dtype``, ``chunk_tokens`` as :func:`onca.ops.fused_linear_cross_entropy.
+    fused_linear_cross_entropy`. The loss (fp32) is the same on every rank; ``hidden``'s gradient
+    is the full one (all-reduced over the group), the head's is this rank's rows. One exchange of
+    ``3 * chunk`` fp32 numbers per chunk of tokens and one all-reduce of ``dhidden``, all in the
+    forward pass. Every rank of the group must call it with the same hidden states and targets.
+    """
+    _check_common(ignore_index, reduction, lse_square_scale, return_z_loss, allowed=("mean", "sum"))
+    check_tensor(hidden, "hidden")
+    check_tensor(weight, "weight")
+    group_name = None
+    if _is_dtensor(weight):
+        shard = shard_of(weight, 0, "weight")
+        if shard is None:
+            raise ValueError("weight is a replicated DTensor: use onca.functional.fused_linear_cross_entropy "
+                             "on its local tensor (nothing is sharded)")
+        weight, pg, start, total = shard
+        group_name = pg.group_name
+        if bias is not None:
+            bias_shard = shard_of(bias, 0, "bias") if _is_dtensor(bias) else None
+            if bias_shard is None:
+                raise ValueError("bias must be sharded like weight (a DTensor Shard(0) on the same mesh) when "
+                                 "weight is a DTensor")
+            bias = bias_shard[0]
+    hidden = _replicated_local(hidden, "hidden")
+    target = _replicated_local(target, "target")
+    check_float(hidden, "hidden")
+    check_float(weight, "weight")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must be (tokens, hidden) or (..., hidden), got shape {tuple(hidden.shape)}")
+    h = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != h or weight.shape[0] == 0 or h == 0:
+        raise ValueError(f"weight must be this rank's head rows (V_r, hidden) = (V_r, {h}) with V_r, hidden "
+                         f">= 1, got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    check_same_device(weight, "weight", hidden, "hidden")
+    if bias is not None:
+        check_tensor(bias, "bias")
+        if bias.dtype != hidden.dtype or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be ({weight.shape[0]},) in {hidden.dtype}, got {tuple(bias.shape)} "
+                             f"in {bias.dtype}")
+    target1d = check_target(target, "target", hidden.shape[:-1], "the hidden states' shape without hidden")
+    check_same_device(target, "target", hidden, "hidden")
+    if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
+    if group_name is None:
+        group_name, start, total = _resolve(group, weight.shape[0], vocab_start, "fused linear cross entropy")
+    grad = torch.is_grad_enabled()
+    loss, z_loss, *_ = vocab_parallel_fused_linear_cross_entropy_forward(
+        as_rows(hidden), weight, target1d, bias, group_name, start, total, ignore_index,
+        float(lse_square_scale), reduction, accum_dtype == torch.float32, chunk_tokens or 0,
+        grad and hidden.requires_grad, grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad)
+    return (loss, z_loss) if return_z_loss else loss
