@@ -56,13 +56,12 @@ from onca.ops.cross_entropy import (
     REDUCTIONS,
     TILES as CE_TILES,
     ForwardGradients,
+    SCALE,
     check_target,
-    count_targets,
     cross_entropy_rows,
-    gradient_scales,
-    reduce_loss,
-    reduce_rows,
+    reduce_losses,
     scale_forward_gradient,
+    target_stats,
 )
 from onca.ops.fused_linear_cross_entropy import _accumulate_dw, _grad_buffers, _plan_for
 from onca.tiling import RowPlan, plan_rows
@@ -164,9 +163,8 @@ def vocab_parallel_cross_entropy_forward(
     z_y = _target_logit(logits, local)
     lse, z_y = _global_lse(lse_local, z_y, valid, _group(group_name))
     ce_rows, z_rows = _row_losses(lse, z_y, valid, bad, lse_square_scale)
-    n_valid = count_targets(target, ignore_index)
-    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, None).to(logits.dtype)
-    z_loss = reduce_rows(z_rows, reduction, n_valid).to(logits.dtype)
+    stats = target_stats(target, ignore_index, None, reduction)
+    loss, z_loss, _ = reduce_losses(ce_rows, z_rows, stats, reduction, logits.dtype, weighted=False)
     return loss, z_loss, lse
 
 
@@ -189,9 +187,10 @@ def vocab_parallel_cross_entropy_backward(
     if rows == 0:
         return grad
     local, _, bad, ignore = _local_targets(target, vocab_start, vocab_local, vocab_total, ignore_index)
-    g = grad_loss.to(torch.float32)
-    scale, _ = gradient_scales(g.reshape(-1) if reduction == "none" else g, reduction,
-                               count_targets(target, ignore_index), None)
+    if reduction == "none":
+        scale = grad_loss.reshape(-1).to(torch.float32)
+    else:
+        scale = target_stats(target, ignore_index, None, reduction, grad_loss)[SCALE]
     cross_entropy_rows(logits, local, ignore_index=ignore, label_smoothing=0.0,
                        lse_square_scale=lse_square_scale, softcap=0.0, compute_lse=False, lse=lse, grad=grad,
                        scale=_row_scale(scale, bad), foreign_targets=True)
@@ -242,11 +241,10 @@ def vocab_parallel_fused_linear_cross_entropy_forward(
     lse_local = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
     lse = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
     z_y = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
-    n_valid = count_targets(target, ignore_index)
+    stats = target_stats(target, ignore_index, None, reduction)
     if tokens:
         chunks = _plan_for(hidden, vocab_local, dw, chunk_tokens)
-        scale, _ = gradient_scales(None, reduction, n_valid, None)
-        scale = _row_scale(scale, bad)
+        scale = _row_scale(stats[SCALE] if reduction == "mean" else None, bad)
         scratch = torch.empty((chunks.chunk, vocab_local), dtype=hidden.dtype, device=hidden.device)
         for index in range(chunks.n_chunks):
             start, end = chunks.bounds(index)
@@ -280,8 +278,7 @@ def vocab_parallel_fused_linear_cross_entropy_forward(
     if dx is not None:
         dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=group)  # dhidden sums over the shards
     ce_rows, z_rows = _row_losses(lse, z_y, valid, bad, lse_square_scale)
-    loss = reduce_loss(ce_rows, z_rows, reduction, n_valid, None)
-    z_loss = reduce_rows(z_rows, reduction, n_valid)
+    loss, z_loss, _ = reduce_losses(ce_rows, z_rows, stats, reduction, torch.float32, weighted=False)
     empty = hidden.new_empty(0)
     return (loss, z_loss, lse, dx if dx is not None else empty,
             dw.to(weight.dtype) if dw is not None else empty,
