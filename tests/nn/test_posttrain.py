@@ -10,9 +10,9 @@ from tests.helpers import randn
 from tests.ops.posttrain_reference import make_inputs
 
 
-def test_modules_match_functions():
-    h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, "cpu", prompt=1)
-    rh = randn(2, 5, 8)
+def test_modules_match_functions(device):
+    h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
+    rh = randn(2, 5, 8, device=device)
     torch.testing.assert_close(nn.FusedLinearDPOLoss(beta=0.3)(h, w, labels, rh, w),
                                F.fused_linear_dpo(h, w, labels, rh, w, beta=0.3))
     torch.testing.assert_close(nn.FusedLinearSimPOLoss(gamma=0.1)(h, w, labels),
@@ -20,10 +20,10 @@ def test_modules_match_functions():
     torch.testing.assert_close(nn.FusedLinearORPOLoss()(h, w, labels), F.fused_linear_orpo(h, w, labels))
     torch.testing.assert_close(nn.FusedLinearCPOLoss(loss_type="hinge")(h, w, labels),
                                F.fused_linear_cpo(h, w, labels, loss_type="hinge"))
-    flags = torch.tensor([True, False])
+    flags = torch.tensor([True, False], device=device)
     torch.testing.assert_close(nn.FusedLinearKTOLoss()(h, w, labels, flags, rh, w),
                                F.fused_linear_kto(h, w, labels, flags, rh, w))
-    adv = torch.tensor([1.0, -0.5])
+    adv = torch.tensor([1.0, -0.5], device=device)
     torch.testing.assert_close(nn.FusedLinearGRPOLoss(loss_type="grpo")(h, w, labels, adv),
                                F.fused_linear_grpo(h, w, labels, adv, loss_type="grpo"))
     torch.testing.assert_close(nn.FusedLinearDistillLoss(divergence="cosine")(h, w, rh, w),

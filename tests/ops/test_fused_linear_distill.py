@@ -80,7 +80,8 @@ def test_no_labels_one_token(device):
 
 
 def test_bad_input(device):
-    sh, sw, th, tw = randn(4, 8), randn(20, 8), randn(4, 6), randn(20, 6)
+    sh, sw, th, tw = (randn(4, 8, device=device), randn(20, 8, device=device), randn(4, 6, device=device),
+                      randn(20, 6, device=device))
     with pytest.raises(ValueError, match="divergence"):
         fused_linear_distill(sh, sw, th, tw, divergence="kl")
     with pytest.raises(ValueError, match="labels"):

@@ -109,6 +109,7 @@ def test_bad_input(device):
 
 def test_op_contract(device):
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
-    adv, old, ref = torch.randn(2), torch.randn(2, 5) - 3, torch.randn(2, 5) - 3
+    adv, old, ref = (torch.randn(2, device=device), torch.randn(2, 5, device=device) - 3,
+                     torch.randn(2, 5, device=device) - 3)
     fn = lambda h, w, labels: fused_linear_grpo(h, w, labels, adv, old, ref, beta=0.04, chunk_tokens=4)
     assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels))

@@ -62,6 +62,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._rows import as_rows
 from onca.ops._validate import (
+    autocast_enabled,
     check_bool,
     check_float,
     check_index,
@@ -447,7 +448,7 @@ def head_inputs(hidden: Tensor, *tensors):
     """Under ``torch.autocast``: the floating tensors cast to the autocast dtype, as ``F.linear``
     would cast them, and whether autocast must be switched off around the op; else as they are."""
     device_type = hidden.device.type
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if not autocast_enabled(device_type):
         return (hidden, *tensors), False
     dtype = torch.get_autocast_dtype(device_type)
     cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t

@@ -62,3 +62,13 @@ def check_dim(dim, name: str, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name} must be in [{-ndim}, {ndim - 1}] for a {ndim}-d input, got {dim}")
     return dim % ndim
+
+
+# Device types with an autocast mode; torch.amp.is_autocast_available is not traceable by every
+# Dynamo version Onca supports (PyTorch 2.11's refuses it), so the list is kept here.
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "npu", "hpu", "mps", "mtia", "xla")
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (traceable by torch.compile)."""
+    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)

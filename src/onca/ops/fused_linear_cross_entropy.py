@@ -57,7 +57,7 @@ from onca.device import DeviceProfile, accelerator, free_memory
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._rows import as_rows
-from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
+from onca.ops._validate import autocast_enabled, check_bool, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import (
     SCALE,
     TILES as CE_TILES,
@@ -456,7 +456,7 @@ def fused_linear_cross_entropy(
             return sharded
     device_type = hidden.device.type
     # A device type without autocast (``meta``, as in ``onca audit``) has nothing to cast.
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if not autocast_enabled(device_type):
         return _fused_linear_cross_entropy(hidden, weight, target, bias, *args, **extras)
     dtype = torch.get_autocast_dtype(device_type)
     cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731

@@ -36,7 +36,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, accelerator, free_memory
 from onca.ops._chunked_head import check_options, chunk_loop, head_logits, validate_head
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
+from onca.ops._validate import autocast_enabled, check_bool, check_float, check_number, check_same_device, check_tensor
 from onca.ops.cross_entropy import cross_entropy_rows
 from onca.ops.jsd import jsd_rows, plan_divergence
 from onca.tiling import ChunkPlan, plan_token_chunks
@@ -223,7 +223,7 @@ def fused_linear_distill(
     check_number(weight_soft_loss, "weight_soft_loss", minimum=0.0)
     device_type = student_hidden.device.type
     tensors = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         tensors = tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
         with torch.autocast(device_type, enabled=False):

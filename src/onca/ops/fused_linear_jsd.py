@@ -41,7 +41,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, free_memory
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._matmul import has_fp32_out_dtype
-from onca.ops._validate import check_float, check_same_device, check_tensor
+from onca.ops._validate import autocast_enabled, check_float, check_same_device, check_tensor
 from onca.ops.jsd import (
     check_beta,
     check_ignore_index,
@@ -268,7 +268,7 @@ def fused_linear_jsd(
         check_tensor(t, name)
     device_type = student_hidden.device.type
     # A device type without autocast (``meta``, as in ``onca audit``) has nothing to cast.
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
         # The op computes in its own precisions (fp32 logits): autocast must not recast inside it.
