@@ -131,6 +131,10 @@ def cmd_bench(args) -> int:
             return 2
         rows = records.latest(records.read_csv(targets[1]))
         print(report.summary(rows))
+        behind = report.below_peers(rows)
+        if behind:
+            print("\nWhere onca is below the fastest peer (full mode, peer time / onca time):\n")
+            print(behind)
         overhead = report.overhead_summary(rows)
         if overhead:
             print("\nHost overhead (16 tokens, full mode, wall clock per call):\n")

@@ -205,3 +205,19 @@ def test_loss_option_sets_compute_what_their_reference_does(op, device):
             torch.testing.assert_close(ours.token_accuracy, accuracy)
             ours, expected = ours.loss, loss
         torch.testing.assert_close(ours, expected, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_below_peers_lists_the_points_where_onca_loses():
+    from onca.bench.report import below_peers
+
+    def row(provider, x, metric, value):
+        return {"kernel_name": "op", "sweep": "d1", "x_value": x, "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": metric, "kernel_provider": provider, "y_value_50": value}
+
+    rows = [row("onca", 1, "speed", 2.0), row("torch", 1, "speed", 1.0), row("liger", 1, "speed", 3.0),
+            row("onca", 2, "speed", 1.0), row("torch", 2, "speed", 4.0), row("liger", 2, "speed", 3.0),
+            row("onca", 1, "memory", 30.0), row("liger", 1, "memory", 20.0),
+            row("onca", 2, "memory", 10.0), row("liger", 2, "memory", 20.0)]
+    text = below_peers(rows)
+    assert "op: below the fastest peer at 1 of 2 points; peak memory at most 1.50x liger's" in text
+    assert "d1 1: 0.50x torch" in text and "d1 2" not in text

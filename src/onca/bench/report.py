@@ -114,5 +114,34 @@ def overhead_summary(rows: list[dict], mode: str = "full") -> str:
     return "\n".join(lines)
 
 
+def below_peers(rows: list[dict], mode: str = "full") -> str:
+    """Per kernel, over every D1/D2 point of ``mode``: how many points onca is below the fastest
+    peer (its time / onca's below 1), each such point with that ratio and the peer, and onca's
+    largest peak memory relative to liger-kernel's. Empty if there are no such records."""
+    speed: dict[tuple, dict[str, float]] = {}
+    memory: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["sweep"] not in ("d1", "d2") or r["kernel_operation_mode"] != mode or r["status"] != "ok":
+            continue
+        table_ = speed if r["metric_name"] == "speed" else memory if r["metric_name"] == "memory" else None
+        if table_ is not None:
+            table_.setdefault((r["kernel_name"], r["sweep"], str(r["x_value"])), {})[r["kernel_provider"]] = r["y_value_50"]
+    lines = []
+    for op in sorted({k[0] for k in speed}):
+        points = [(k, v) for k, v in speed.items() if k[0] == op and "onca" in v and len(v) > 1]
+        behind = []
+        for (_, sweep, x), times in points:
+            peer, best = min(((p, t) for p, t in times.items() if p != "onca"), key=lambda pt: pt[1])
+            if best < times["onca"]:
+                behind.append(f"{sweep} {x}: {best / times['onca']:.2f}x {peer}")
+        ratios = [m["onca"] / m["liger"] for k, m in memory.items()
+                  if k[0] == op and m.get("onca") and m.get("liger")]
+        worst_memory = f"{max(ratios):.2f}x liger's" if ratios else "no liger memory"
+        lines.append(f"{op}: below the fastest peer at {len(behind)} of {len(points)} points; "
+                     f"peak memory at most {worst_memory}")
+        lines += [f"    {b}" for b in behind]
+    return "\n".join(lines)
+
+
 def _fmt(value: float, digits: int, suffix: str = "") -> str:
     return "-" if math.isnan(value) else f"{value:.{digits}f}{suffix}"
