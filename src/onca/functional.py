@@ -40,6 +40,7 @@ from onca.ops.fused_linear_jsd import fused_linear_jsd
 from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
 from onca.ops.grpo_loss import grpo_loss
+from onca.ops.fused_linear_scaled_cross_entropy import fused_linear_scaled_cross_entropy
 
 # Post-training losses (preference tuning, RL, distillation) without the logits
 from onca.ops._chunked_head import chunked_logprobs
@@ -89,4 +90,5 @@ __all__ = [
     "fused_linear_kto",
     "fused_linear_grpo",
     "fused_linear_distill",
+    "fused_linear_scaled_cross_entropy",
 ]

@@ -7,6 +7,7 @@ from onca.nn.embedding import Embedding
 from onca.nn.fused_add_rms_norm import FusedAddRMSNorm
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from onca.nn.fused_linear_jsd import FusedLinearJSD
+from onca.nn.fused_linear_scaled_cross_entropy import FusedLinearScaledCrossEntropy
 from onca.nn.group_norm import GroupNorm
 from onca.nn.fused_moe import MoEExperts
 from onca.nn.jsd import JSD
@@ -56,4 +57,5 @@ __all__ = [
     "FusedLinearKTOLoss",
     "FusedLinearGRPOLoss",
     "FusedLinearDistillLoss",
+    "FusedLinearScaledCrossEntropy",
 ]
