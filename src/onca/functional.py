@@ -26,6 +26,9 @@ from onca.ops.fused_moe import fused_moe
 # Hyper-connections
 from onca.ops.mhc import mhc, mhc_coeffs, mhc_post_res, mhc_pre
 
+# Attention-side
+from onca.ops.neighborhood_attention import neighborhood_attention
+
 # Position and embedding
 from onca.ops.attn_res import attn_res
 from onca.ops.embedding import embedding
@@ -91,4 +94,5 @@ __all__ = [
     "fused_linear_grpo",
     "fused_linear_distill",
     "fused_linear_scaled_cross_entropy",
+    "neighborhood_attention",
 ]

@@ -16,6 +16,7 @@ from onca.nn.layer_norm import LayerNorm
 from onca.nn.mhc import MHC
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.modulated_rms_norm import ModulatedRMSNorm
+from onca.nn.neighborhood_attention import NeighborhoodAttention
 from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
 from onca.nn.tiled_mlp import TiledGeGLUMLP, TiledSwiGLUMLP
@@ -58,4 +59,5 @@ __all__ = [
     "FusedLinearGRPOLoss",
     "FusedLinearDistillLoss",
     "FusedLinearScaledCrossEntropy",
+    "NeighborhoodAttention",
 ]
