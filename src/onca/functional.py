@@ -27,6 +27,7 @@ from onca.ops.fused_moe import fused_moe
 from onca.ops.mhc import mhc, mhc_coeffs, mhc_post_res, mhc_pre
 
 # Attention-side
+from onca.ops.multi_token_attention import multi_token_attention
 from onca.ops.neighborhood_attention import neighborhood_attention
 
 # Position and embedding
@@ -95,4 +96,5 @@ __all__ = [
     "fused_linear_distill",
     "fused_linear_scaled_cross_entropy",
     "neighborhood_attention",
+    "multi_token_attention",
 ]

@@ -16,6 +16,7 @@ from onca.nn.layer_norm import LayerNorm
 from onca.nn.mhc import MHC
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.modulated_rms_norm import ModulatedRMSNorm
+from onca.nn.multi_token_attention import MultiTokenAttention
 from onca.nn.neighborhood_attention import NeighborhoodAttention
 from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
@@ -60,4 +61,5 @@ __all__ = [
     "FusedLinearDistillLoss",
     "FusedLinearScaledCrossEntropy",
     "NeighborhoodAttention",
+    "MultiTokenAttention",
 ]
