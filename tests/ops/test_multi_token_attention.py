@@ -54,6 +54,12 @@ def check(scores, weight, bias, sparse=False, **conv):
     dout = randn(*out.shape, dtype=out.dtype, device=out.device)
     out.backward(dout)
     ref.backward(dout.to(torch.float64))
+    if sparse:
+        # Compare dscores on the rows away from sparsemax's kinks (rows are independent there).
+        keep = (sparsemax_margin(scores) > 1e-4)[..., None]
+        assert keep.float().mean() > 0.8
+        sk.grad = torch.where(keep, sk.grad, 0)
+        leaves[0].grad = torch.where(keep, leaves[0].grad, 0.0)
     for name, mine, theirs in zip(("dscores", "dweight", "dbias"), (sk, wk, bk), leaves):
         if mine is not None:
             assert mine.grad.dtype == scores.dtype
@@ -62,24 +68,18 @@ def check(scores, weight, bias, sparse=False, **conv):
 
 
 def sparsemax_margin(scores):
-    """The smallest ``|z - tau|`` over each row's visible scores: how far every score is from
-    sparsemax's support boundary, where the function has a kink (its gradient is a matter of
-    convention there, and bf16 inputs sit on a grid coarse enough to land on it)."""
+    """Per row, the smallest ``|z - tau|`` over its visible scores: how far the row is from a kink
+    of sparsemax (a score on its support's boundary), where the gradient is a matter of convention;
+    bf16 inputs sit on a grid coarse enough to land there."""
     L = scores.shape[-1]
     z = scores.double().masked_fill(upper(L, L, scores.device), float("-inf"))
     p = sparsemax64(z)
     tau = (z - p).masked_fill(p == 0, float("inf")).amin(-1, keepdim=True)
-    gap = (z - tau).abs().masked_fill(upper(L, L, scores.device), float("inf"))
-    return gap.min().item()
+    return (z - tau).abs().masked_fill(upper(L, L, scores.device), float("inf")).amin(-1)
 
 
-def inputs(batch, c_in, L, c_out, k, dtype, device, groups=1, bias=True, std=2.0, sparse=False):
-    for _ in range(50):
-        scores = randn(batch, c_in, L, L, dtype=dtype, device=device, std=std)
-        if not sparse or sparsemax_margin(scores) > 1e-4:
-            break
-    else:
-        raise AssertionError("no scores away from sparsemax's kinks")
+def inputs(batch, c_in, L, c_out, k, dtype, device, groups=1, bias=True, std=2.0):
+    scores = randn(batch, c_in, L, L, dtype=dtype, device=device, std=std)
     weight = randn(c_out, c_in // groups, k, k, dtype=dtype, device=device, std=0.5)
     b = randn(c_out, dtype=dtype, device=device, std=0.1) if bias else None
     return scores, weight, b
@@ -89,7 +89,7 @@ def inputs(batch, c_in, L, c_out, k, dtype, device, groups=1, bias=True, std=2.0
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matches_reference(profile, device, dtype, sparse):
     (b, c, L), (c_out, k) = BASE
-    probs = check(*inputs(b, c, L, c_out, k, dtype, device, sparse=sparse), sparse=sparse, padding=k // 2)
+    probs = check(*inputs(b, c, L, c_out, k, dtype, device), sparse=sparse, padding=k // 2)
     if sparse:  # a real sparse test: some of the causal columns are 0, not only the masked ones
         causal = ~upper(L, L, device)
         assert ((probs == 0) & causal).any() and ((probs > 0) & causal).any()
@@ -105,7 +105,7 @@ def test_conv_options(device, conv):
 
 
 def test_fp16_sparse_no_bias(device):
-    check(*inputs(1, 2, 13, 2, 3, torch.float16, device, bias=False, sparse=True), sparse=True, padding=1)
+    check(*inputs(1, 2, 13, 2, 3, torch.float16, device, bias=False), sparse=True, padding=1)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["softmax", "sparsemax"])
@@ -114,7 +114,7 @@ def test_column_tiled_rows(device, onchip_bytes, sparse):
     forced = onchip_bytes(512)
     plans = op.plan((1, 1, 17, 17), torch.float32, forced)
     assert plans["activation_forward"].col_tiles > 1 and plans["activation_backward"].col_tiles > 1
-    check(*inputs(1, 1, 17, 1, 3, torch.float32, device, std=3.0, sparse=sparse), sparse=sparse, padding=1)
+    check(*inputs(1, 1, 17, 1, 3, torch.float32, device, std=3.0), sparse=sparse, padding=1)
 
 
 def test_sparsemax_rows_sum_to_one(device):
