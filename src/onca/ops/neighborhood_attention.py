@@ -36,10 +36,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._validate import check_float, check_number, check_same_device
-from onca.tiling import RowPlan, TilingError, plan_rows
+from onca.tiling import RowPlan, TilingError, next_power_of_2, plan_rows
 
 __all__ = ["neighborhood_attention", "plan"]
 
@@ -216,7 +216,11 @@ def _neighborhood_dkv_kernel(
 
 
 def _plan(rows: int, head_dim: int, dtype: torch.dtype, tiles: dict, profile: DeviceProfile | None = None) -> RowPlan:
-    p = plan_rows(rows, head_dim, dtype, profile=profile, **tiles)
+    profile = profile or get_profile()
+    # On a GPU registers bound the tile: these kernels hold five to seven fp32 tiles at once, so a
+    # tile is kept to half the profile's one-pass size (measured with tools/sm90_compile: no spills).
+    cap = max(1, profile.tile_elements // (2 * next_power_of_2(head_dim))) if profile.tile_elements else None
+    p = plan_rows(rows, head_dim, dtype, profile=profile, max_block_rows=cap, **tiles)
     if p.col_tiles != 1:
         raise TilingError(
             f"neighborhood attention keeps a whole head ({head_dim} wide) in one tile; the on-chip budget "
