@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, validate_head
+from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, plan, validate_head
 from onca.ops._validate import check_bool, check_tensor
 
-__all__ = ["fused_linear_scaled_cross_entropy"]
+__all__ = ["fused_linear_scaled_cross_entropy", "plan"]
 
 
 def fused_linear_scaled_cross_entropy(
