@@ -85,7 +85,7 @@ def _neighborhood_forward_kernel(
         m = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
         den = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
-        for t in range(0, 2 * half + 1):
+        for t in range(2 * half + 1):
             j = pos + (t - half) * dilation
             valid = row_mask & (j >= 0) & (j < seq_len)
             j64 = tl.where(valid, j, 0).to(tl.int64)
@@ -140,7 +140,7 @@ def _neighborhood_dq_kernel(
         delta = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         pdpk = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
         pk = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
-        for t in range(0, 2 * half + 1):
+        for t in range(2 * half + 1):
             j = pos + (t - half) * dilation
             valid = row_mask & (j >= 0) & (j < seq_len)
             j64 = tl.where(valid, j, 0).to(tl.int64)
@@ -189,7 +189,7 @@ def _neighborhood_dkv_kernel(
         dk = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
         # The flattened row of query i of this (batch, head) is rows + (i - j).
-        for t in range(0, 2 * half + 1):
+        for t in range(2 * half + 1):
             offset = (t - half) * dilation
             i = pos + offset
             valid = row_mask & (i >= 0) & (i < seq_len)
