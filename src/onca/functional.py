@@ -30,6 +30,9 @@ from onca.ops.mhc import mhc, mhc_coeffs, mhc_post_res, mhc_pre
 # Activations over a row
 from onca.ops.softmax import softmax
 from onca.ops.sparsemax import sparsemax
+# Attention-side
+from onca.ops.multi_token_attention import multi_token_attention
+from onca.ops.neighborhood_attention import neighborhood_attention
 
 # Position and embedding
 from onca.ops.attn_res import attn_res
@@ -46,6 +49,7 @@ from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
 from onca.ops.grpo_loss import grpo_loss
 from onca.ops.tvd import tvd
+from onca.ops.fused_linear_scaled_cross_entropy import fused_linear_scaled_cross_entropy
 
 # Post-training losses (preference tuning, RL, distillation) without the logits
 from onca.ops._chunked_head import chunked_logprobs
@@ -106,4 +110,7 @@ __all__ = [
     "tvd",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_fused_linear_cross_entropy",
+    "fused_linear_scaled_cross_entropy",
+    "neighborhood_attention",
+    "multi_token_attention",
 ]
