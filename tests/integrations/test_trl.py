@@ -40,8 +40,10 @@ def _model():
 
 def _common(tmp_path):
     # fp32 (TRL's configs default to bf16 autocast): the runs must then agree to fp32's precision.
+    # On the accelerator where there is one: Onca's kernels run on its tensors (the interpreter, on
+    # the CPU, only where there is none).
     return dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2, logging_steps=1,
-                report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-3, seed=0,
+                report_to="none", use_cpu=onca.device.accelerator() == "cpu", save_strategy="no", learning_rate=1e-3, seed=0,
                 dataloader_num_workers=0, bf16=False)
 
 

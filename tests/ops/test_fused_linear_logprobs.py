@@ -173,7 +173,10 @@ def test_plan():
 def test_matches_trl(device):
     """TRL's own function (its Triton kernels on a GPU, its torch tiles on the CPU) and Onca's on
     the same inputs, with TRL's calling convention (only scored positions, no ignore index)."""
-    trl_kernels = pytest.importorskip("trl.kernels.chunked_logprob")
+    pytest.importorskip("trl.kernels.chunked_logprob")
+    from onca.bench.ops.fused_linear_logprobs import _trl_function  # works without accelerate/datasets
+
+    trl_function = _trl_function()
     h, w, b, labels = inputs(SHAPES[0], torch.float32, device)
     mask = labels != IGNORE
     hidden, targets = h[mask], labels[mask]
@@ -182,7 +185,7 @@ def test_matches_trl(device):
     for fn in ("trl", "onca"):
         hk, wk, bk = leaf(hidden), leaf(w), leaf(b)
         if fn == "trl":
-            out = trl_kernels.ChunkedLogProbFunction.apply(hk, wk, bk, targets, temperature, 64, softcap, logit_scale,
+            out = trl_function.apply(hk, wk, bk, targets, temperature, 64, softcap, logit_scale,
                                                            OPTIONAL_OUTPUTS)
         else:
             out = fused_linear_logprobs(hk, wk, targets, bk, temperature=temperature, softcap=softcap,
