@@ -53,6 +53,7 @@ from onca.ops.fused_linear_scaled_cross_entropy import fused_linear_scaled_cross
 
 # Post-training losses (preference tuning, RL, distillation) without the logits
 from onca.ops._chunked_head import chunked_logprobs
+from onca.ops.fused_linear_logprobs import LogProbOutput, fused_linear_logprobs
 from onca.ops.fused_linear_cpo import fused_linear_cpo
 from onca.ops.fused_linear_distill import fused_linear_distill
 from onca.ops.fused_linear_dpo import fused_linear_dpo
@@ -97,6 +98,8 @@ __all__ = [
     "mhc_pre",
     "mhc_post_res",
     "chunked_logprobs",
+    "fused_linear_logprobs",
+    "LogProbOutput",
     "fused_linear_dpo",
     "fused_linear_simpo",
     "fused_linear_orpo",

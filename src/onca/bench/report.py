@@ -10,6 +10,12 @@ from onca.bench.spec import PROVIDERS
 SHORT = {"onca": "onca", "torch": "torch", "torch_compile": "compile", "liger": "liger"}
 
 
+def ordered(providers) -> list[str]:
+    """The harness's providers in their usual order, then peers (``OpBenchmark.peers``) by name."""
+    providers = set(providers)
+    return [p for p in PROVIDERS if p in providers] + sorted(providers - set(PROVIDERS))
+
+
 def _cell(point, unit) -> str:
     if point is None:
         return "-"
@@ -30,12 +36,12 @@ def table(records: list[Record], metric: str = "speed") -> str:
         if r.metric_name == metric:
             groups.setdefault((r.kernel_name, r.sweep, r.x_name, r.kernel_operation_mode), {})[r.kernel_provider] = r
     for (op, sweep, x_name, mode), by_provider in groups.items():
-        providers = [p for p in PROVIDERS if p in by_provider]
+        providers = ordered(by_provider)
         others = [p for p in providers if p != "onca"]
         unit = next(iter(by_provider.values())).metric_unit
-        head = [x_name] + [f"{SHORT[p]} {unit}" for p in providers]
+        head = [x_name] + [f"{SHORT.get(p, p)} {unit}" for p in providers]
         if "onca" in by_provider:
-            head += [f"vs {SHORT[p]}" for p in others]
+            head += [f"vs {SHORT.get(p, p)}" for p in others]
         rows = []
         xs = [pt.x for pt in next(iter(by_provider.values())).points]
         for i, x in enumerate(xs):
