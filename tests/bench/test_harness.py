@@ -217,6 +217,7 @@ def test_below_peers_lists_the_points_where_onca_loses():
 
     rows = [row("onca", 1, "speed", 2.0), row("torch", 1, "speed", 1.0), row("liger", 1, "speed", 3.0),
             row("onca", 2, "speed", 1.0), row("torch", 2, "speed", 4.0), row("liger", 2, "speed", 3.0),
+            row("gemm_limit", 2, "speed", 0.5),  # a limit, not a peer: never the fastest peer
             row("onca", 1, "memory", 30.0), row("liger", 1, "memory", 20.0),
             row("onca", 2, "memory", 10.0), row("liger", 2, "memory", 20.0)]
     text = below_peers(rows)

@@ -120,6 +120,11 @@ def overhead_summary(rows: list[dict], mode: str = "full") -> str:
     return "\n".join(lines)
 
 
+# A provider whose name ends so is a limit (e.g. ``gemm_limit``: the matmuls alone), not a peer:
+# reported beside onca, never counted as the fastest peer.
+LIMIT_SUFFIX = "_limit"
+
+
 def below_peers(rows: list[dict], mode: str = "full") -> str:
     """Per kernel, over every D1/D2 point of ``mode``: how many points onca is below the fastest
     peer (its time / onca's below 1), each such point with that ratio and the peer, and onca's
@@ -134,10 +139,14 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
             table_.setdefault((r["kernel_name"], r["sweep"], str(r["x_value"])), {})[r["kernel_provider"]] = r["y_value_50"]
     lines = []
     for op in sorted({k[0] for k in speed}):
-        points = [(k, v) for k, v in speed.items() if k[0] == op and "onca" in v and len(v) > 1]
+        points = [(k, v) for k, v in speed.items()
+                  if k[0] == op and "onca" in v and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
         behind = []
         for (_, sweep, x), times in points:
-            peer, best = min(((p, t) for p, t in times.items() if p != "onca"), key=lambda pt: pt[1])
+            peers = [(p, t) for p, t in times.items() if p != "onca" and not p.endswith(LIMIT_SUFFIX)]
+            if not peers:
+                continue
+            peer, best = min(peers, key=lambda pt: pt[1])
             if best < times["onca"]:
                 behind.append(f"{sweep} {x}: {best / times['onca']:.2f}x {peer}")
         ratios = [m["onca"] / m["liger"] for k, m in memory.items()
