@@ -30,8 +30,8 @@ class DynamicTanh(nn.Module):
 def test_matches_the_paper_module(device, dtype):
     ref = DynamicTanh(HIDDEN).to(device=device, dtype=dtype)
     with torch.no_grad():
-        ref.weight.add_(torch.randn(HIDDEN) * 0.3)
-        ref.bias.add_(torch.randn(HIDDEN) * 0.3)
+        ref.weight.add_(torch.randn(HIDDEN, device=device) * 0.3)
+        ref.bias.add_(torch.randn(HIDDEN, device=device) * 0.3)
     ours = onca.nn.DyT(HIDDEN).to(device=device, dtype=dtype)
     result = ours.load_state_dict(ref.state_dict())
     assert not result.missing_keys and not result.unexpected_keys

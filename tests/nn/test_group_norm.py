@@ -18,7 +18,7 @@ def test_matches_torch_module(device, affine, dtype):
     ref = nn.GroupNorm(GROUPS, SHAPE[1], affine=affine).to(device=device, dtype=dtype)
     with torch.no_grad():
         for p in ref.parameters():
-            p.add_(torch.randn(p.shape) * 0.3)
+            p.add_(torch.randn(p.shape, device=device) * 0.3)
     ours = onca.nn.GroupNorm(GROUPS, SHAPE[1], affine=affine).to(device=device, dtype=dtype)
     ours.load_state_dict(ref.state_dict())
     assert isinstance(ours, nn.GroupNorm) and list(ours.state_dict()) == list(ref.state_dict())

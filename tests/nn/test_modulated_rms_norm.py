@@ -31,7 +31,7 @@ class RMSNormThenModulate(nn.Module):
 def test_matches_norm_then_modulation(device, dtype):
     ref = RMSNormThenModulate(HIDDEN).to(device)  # fp32 modulation: the fused op rounds once
     with torch.no_grad():
-        ref.weight.add_(torch.randn(HIDDEN) * 0.3)
+        ref.weight.add_(torch.randn(HIDDEN, device=device) * 0.3)
     ours = onca.nn.ModulatedRMSNorm(HIDDEN).to(device=device, dtype=dtype)
     result = ours.load_state_dict(ref.state_dict())
     assert not result.missing_keys and not result.unexpected_keys

@@ -22,7 +22,7 @@ def reference(sh, sw, sb, th, tw, labels, divergence, beta, temperature, w_hard,
     t = th.double() @ tw.double().T
     if sh.dtype != torch.float32:  # the fp32 logits of bf16 operands: exact products, no rounding
         s, t = rounded(s, torch.float32), rounded(t, torch.float32)
-    valid = (labels != IGNORE).double() if labels is not None else torch.ones(s.shape[0], dtype=torch.float64)
+    valid = (labels != IGNORE).double() if labels is not None else torch.ones(s.shape[0], dtype=torch.float64, device=s.device)
     lq, lp = torch.log_softmax(s / temperature, -1), torch.log_softmax(t / temperature, -1)
     if divergence == "forward_kl":
         per = (lp.exp() * (lp - lq)).sum(-1)

@@ -44,6 +44,14 @@ def reference(scores, weight, bias, stride=1, padding=0, dilation=1, groups=1, s
     return out, probs, (s64, w64, b64)
 
 
+
+@pytest.fixture(autouse=True)
+def _fp32_convolutions():
+    """The op's convolutions are torch's, which run fp32 as TF32 on CUDA by default (as for any
+    conv2d): off here, so that the float64 comparison judges Onca's kernels at fp32."""
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+        yield
+
 def check(scores, weight, bias, sparse=False, **conv):
     sk, wk = leaf(scores), leaf(weight)
     bk = leaf(bias) if bias is not None else None

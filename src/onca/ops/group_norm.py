@@ -38,7 +38,7 @@ __all__ = ["group_norm", "plan"]
 
 # Live tiles of each kernel, counted as the planner expects: tiles in the input dtype, fp32 tiles.
 FORWARD_TILES = dict(live_tiles=2, fp32_tiles=3)  # x, y; x, x - shift, y in fp32
-BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=5)  # x, dy, dx; x, dy, xhat, g, dx in fp32
+BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=7)  # x, dy, dx; x, dy, xhat, g, dx, dW and dB sums in fp32
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -152,16 +152,19 @@ def _group_norm_backward_kernel(
             ch = cb * BLOCK_ROWS + ch_offsets
             ch_mask = ch < ch_per_group
             w, _b = _channel_params(w_ptr, w_ptr, first_channel + ch, ch_mask, HAS_WEIGHT, False)
-            dw_acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            db_acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            # Tile-shaped sums, reduced once after the loop: a row sum carried through the loop and
+            # used twice below made Triton 3.6's OptimizeThreadLocality pass abort (sm_90, column tiles).
+            dw_tiles = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            db_tiles = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
             for tile in range(COL_TILES):
                 pos = tile * BLOCK_COLS + pos_offsets
                 x, offsets, mask = _tile(x_ptr, group_base, ch, pos, ch_per_group, n_pos)
                 dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
                 xhat = (x - mean) * rstd
-                dyx = dy * xhat
-                dw_acc += tl.sum(dyx, axis=1)
-                db_acc += tl.sum(dy, axis=1)
+                dw_tiles += dy * xhat
+                db_tiles += dy
+            dw_acc = tl.sum(dw_tiles, axis=1)
+            db_acc = tl.sum(db_tiles, axis=1)
             # g = w * dy: its sums are the channels' sums times w.
             sum_gx += dw_acc * w
             sum_g += db_acc * w
