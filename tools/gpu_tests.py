@@ -52,6 +52,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/ops/test_fused_linear_orpo.py", "tests/ops/test_fused_linear_cpo.py",
         "tests/ops/test_fused_linear_kto.py", "tests/ops/test_fused_linear_grpo.py",
         "tests/ops/test_fused_linear_distill.py", "tests/nn/test_posttrain.py",
+        "tests/ops/test_fused_linear_logprobs.py",
     ),
     "13": (  # row activations and TVD (issue 16)
         "tests/ops/test_softmax.py", "tests/nn/test_softmax.py", "tests/ops/test_sparsemax.py",
@@ -60,9 +61,14 @@ SHARDS: dict[str, tuple[str, ...]] = {
     ),
     # Two ranks: NCCL where two GPUs are visible, else gloo on the CPU (the GPU hidden).
     "14": ("tests/distributed",),
+    "15": (  # issue 16's last ops: attention-side and the scaled fused linear cross entropy
+        "tests/ops/test_multi_token_attention.py", "tests/nn/test_multi_token_attention.py",
+        "tests/ops/test_neighborhood_attention.py", "tests/nn/test_neighborhood_attention.py",
+        "tests/ops/test_fused_linear_scaled_cross_entropy.py", "tests/nn/test_fused_linear_scaled_cross_entropy.py",
+    ),
 }
 # Shards whose tests run kernels (what memcheck is for).
-KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12", "13")
+KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12", "13", "15")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -131,6 +131,10 @@ def cmd_bench(args) -> int:
             return 2
         rows = records.latest(records.read_csv(targets[1]))
         print(report.summary(rows))
+        behind = report.below_peers(rows)
+        if behind:
+            print("\nWhere onca is below the fastest peer (full mode, peer time / onca time):\n")
+            print(behind)
         overhead = report.overhead_summary(rows)
         if overhead:
             print("\nHost overhead (16 tokens, full mode, wall clock per call):\n")
@@ -151,15 +155,20 @@ def cmd_bench(args) -> int:
     if unknown:
         print(f"onca bench: no benchmark for {', '.join(unknown)}; see onca bench --list", file=sys.stderr)
         return 2
-    bad = [m for m in args.modes if m not in MODES] + [p for p in args.providers if p not in PROVIDERS]
+    # Providers: the harness's own and the peers the named ops declare (OpBenchmark.peers); by
+    # default every one of them, peers included.
+    known = list(PROVIDERS) + [p for op in ops for p in harness.load(op).peers if p not in PROVIDERS]
+    providers = PROVIDERS if args.providers is None else args.providers
+    bad = [m for m in args.modes if m not in MODES] + [p for p in providers if p not in known]
     if bad:
         print(f"onca bench: unknown mode/provider {', '.join(bad)} (modes: {', '.join(MODES)}; "
-              f"providers: {', '.join(PROVIDERS)})", file=sys.stderr)
+              f"providers: {', '.join(dict.fromkeys(known))})", file=sys.stderr)
         return 2
 
     where = device.accelerator()
     settings = harness.Settings(device="cuda" if where == "cuda" else "cpu", dtype=args.dtype,
-                                providers=args.providers, modes=args.modes, max_points=args.max_points)
+                                providers=providers, peers=args.providers is None, modes=args.modes,
+                                max_points=args.max_points)
     if not settings.on_gpu:
         print("onca bench: no GPU here; running each sweep once at a tiny size on the CPU "
               "(a smoke test of the benchmark code, not a measurement)")
@@ -302,8 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="d1 (one dimension), d2 (model shapes), overhead (16 tokens, wall clock) or all")
     bench.add_argument("--modes", type=_csv_list, default=("forward", "backward", "full"),
                        help="comma-separated subset of forward,backward,full (default: all)")
-    bench.add_argument("--providers", type=_csv_list, default=("onca", "torch", "torch_compile", "liger"),
-                       help="comma-separated subset of onca,torch,torch_compile,liger (default: all)")
+    bench.add_argument("--providers", type=_csv_list, default=None,
+                       help="comma-separated subset of onca,torch,torch_compile,liger and the op's peers "
+                            "(e.g. trl) (default: all of them)")
     bench.add_argument("--dtype", type=parse_dtype, default="bf16", help="fp32, bf16 (default) or fp16")
     bench.add_argument("--out", default=os.path.join("benchmarks", "data"), help="results directory")
     bench.add_argument("--plot", action="store_true", help="draw PNG charts after the run")

@@ -30,6 +30,9 @@ from onca.ops.mhc import mhc, mhc_coeffs, mhc_post_res, mhc_pre
 # Activations over a row
 from onca.ops.softmax import softmax
 from onca.ops.sparsemax import sparsemax
+# Attention-side
+from onca.ops.multi_token_attention import multi_token_attention
+from onca.ops.neighborhood_attention import neighborhood_attention
 
 # Position and embedding
 from onca.ops.attn_res import attn_res
@@ -46,9 +49,11 @@ from onca.ops.jsd import jsd
 from onca.ops.kl_div import kl_div
 from onca.ops.grpo_loss import grpo_loss
 from onca.ops.tvd import tvd
+from onca.ops.fused_linear_scaled_cross_entropy import fused_linear_scaled_cross_entropy
 
 # Post-training losses (preference tuning, RL, distillation) without the logits
 from onca.ops._chunked_head import chunked_logprobs
+from onca.ops.fused_linear_logprobs import LogProbOutput, fused_linear_logprobs
 from onca.ops.fused_linear_cpo import fused_linear_cpo
 from onca.ops.fused_linear_distill import fused_linear_distill
 from onca.ops.fused_linear_dpo import fused_linear_dpo
@@ -93,6 +98,8 @@ __all__ = [
     "mhc_pre",
     "mhc_post_res",
     "chunked_logprobs",
+    "fused_linear_logprobs",
+    "LogProbOutput",
     "fused_linear_dpo",
     "fused_linear_simpo",
     "fused_linear_orpo",
@@ -106,4 +113,7 @@ __all__ = [
     "tvd",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_fused_linear_cross_entropy",
+    "fused_linear_scaled_cross_entropy",
+    "neighborhood_attention",
+    "multi_token_attention",
 ]

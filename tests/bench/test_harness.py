@@ -3,6 +3,7 @@ OOM handling, CSV append, charts, the model registry and every op's declaration.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -171,10 +172,10 @@ def test_every_op_benchmark_declaration(op, device):
     bench = harness.load(op)
     assert bench.name == op
     assert bench.sweep("d1") and bench.sweep("d2")
-    for provider in ("onca", "torch", "torch_compile", "liger"):
+    for provider in bench.providers:  # the harness's own and the op's peers
         for mode in bench.modes:
             assert bench.memory_estimate(bench.probe, torch.bfloat16, provider, mode) > 0
-    settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca", "torch"),
+    settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca", "torch"), peers=False,
                                 modes=("forward", "full"), cpu_reps=1, max_points=1)
     new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
     statuses = {p.status for r in new if r.metric_name == "speed" for p in r.points}
@@ -205,3 +206,64 @@ def test_loss_option_sets_compute_what_their_reference_does(op, device):
             torch.testing.assert_close(ours.token_accuracy, accuracy)
             ours, expected = ours.loss, loss
         torch.testing.assert_close(ours, expected, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_below_peers_lists_the_points_where_onca_loses():
+    from onca.bench.report import below_peers
+
+    def row(provider, x, metric, value):
+        return {"kernel_name": "op", "sweep": "d1", "x_value": x, "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": metric, "kernel_provider": provider, "y_value_50": value}
+
+    rows = [row("onca", 1, "speed", 2.0), row("torch", 1, "speed", 1.0), row("liger", 1, "speed", 3.0),
+            row("onca", 2, "speed", 1.0), row("torch", 2, "speed", 4.0), row("liger", 2, "speed", 3.0),
+            row("gemm_limit", 2, "speed", 0.5),  # a limit, not a peer: never the fastest peer
+            row("onca", 1, "memory", 30.0), row("liger", 1, "memory", 20.0),
+            row("onca", 2, "memory", 10.0), row("liger", 2, "memory", 20.0)]
+    text = below_peers(rows)
+    assert "op: below the fastest peer at 1 of 2 points; peak memory at most 1.50x liger's" in text
+    assert "d1 1: 0.50x torch" in text and "d1 2" not in text
+
+
+def test_peer_providers_are_run_beside_the_harness_own():
+    """A benchmark's ``peers`` (another library's implementation) are measured and recorded like
+    liger; naming the providers explicitly leaves them out; a failing import marks one unavailable."""
+    def missing(p, inputs):
+        raise ImportError("no module named 'otherlib'", name="otherlib")
+
+    base = toy_benchmark()
+    bench = OpBenchmark(**{**base.__dict__, "peers": {"other": base.reference, "gone": missing}})
+    assert bench.providers[-2:] == ("other", "gone")
+    new = cpu_harness(modes=("forward",)).run(bench, [bench.sweeps[0]])
+    assert by(new, "other", "speed", "forward").points[0].status == "ok"
+    gone = by(new, "gone", "speed", "forward").points[0]
+    assert gone.status == "unavailable" and "otherlib" in gone.note
+    assert "vs other" in report.table(new)
+    only = cpu_harness(modes=("forward",), peers=False).run(bench, [bench.sweeps[0]])
+    assert {r.kernel_provider for r in only} == {"onca", "torch", "liger"}
+    with pytest.raises(ValueError, match="peer"):
+        OpBenchmark(**{**base.__dict__, "peers": {"liger": base.reference}})
+
+
+def test_trl_peer_of_the_fused_head_benchmark(device):
+    """TRL's chunked log-prob function as the ``trl`` peer of ``fused_linear_logprobs``: it runs at
+    the probe size and computes what Onca's provider computes."""
+    pytest.importorskip("trl.kernels.chunked_logprob")
+    bench = harness.load("fused_linear_logprobs")
+    for outputs in ("none", "sft", "dpo"):
+        params = {**bench.probe, "outputs": outputs}
+        inputs = bench.make_inputs(params, torch.float32, device)
+        ours, theirs, ref = (f(params, inputs)() for f in (bench.onca, bench.peers["trl"], bench.reference))
+        spec = importlib.import_module("onca.bench.ops.fused_linear_logprobs")
+        assert len(ours) == len(theirs) == len(ref) == 1 + len(spec.OUTPUTS[outputs])
+        for a, b, c in zip(ours, theirs, ref):
+            if a.dtype == torch.bool:
+                assert torch.equal(a, b) and torch.equal(a, c)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca",), modes=("full",),
+                                cpu_reps=1, max_points=1)
+    new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
+    assert {p.status for r in new if r.metric_name == "speed" for p in r.points} == {"ok"}
+    assert {r.kernel_provider for r in new} == {"onca", "trl"}

@@ -60,6 +60,8 @@ class Settings:
     device: str
     dtype: torch.dtype = torch.bfloat16
     providers: tuple[str, ...] = PROVIDERS
+    # Also run every peer provider an op's benchmark declares (``OpBenchmark.peers``).
+    peers: bool = True
     modes: tuple[str, ...] = MODES
     warmup_ms: int = 25
     rep_ms: int = 100
@@ -125,15 +127,22 @@ class Harness:
         # CPU: one point at the op's probe size, through the very same code path.
         return [(bench.probe.get(sweep.x_name, "probe"), dict(bench.probe))]
 
+    def providers(self, bench: OpBenchmark) -> tuple[str, ...]:
+        """The providers a run of ``bench`` measures: the settings' own, then (with
+        ``Settings.peers``) the peers the benchmark declares."""
+        extra = tuple(p for p in bench.peers if p not in self.settings.providers) if self.settings.peers else ()
+        return tuple(self.settings.providers) + extra
+
     def run(self, bench: OpBenchmark, sweeps: list[Sweep]) -> list[Record]:
         from onca.device import get_profile
 
         profile = get_profile()
+        providers = self.providers(bench)
         states = self._probe(bench)
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
         new_records: list[Record] = []
         work = [(sweep, x, params) for sweep in sweeps for x, params in self.points(bench, sweep)]
-        bar = _progress(len(work) * len(self.settings.providers), f"bench {bench.name}", self.progress)
+        bar = _progress(len(work) * len(providers), f"bench {bench.name}", self.progress)
         # Points with the same parameters (models sharing a hidden size, a D1 point that is also a
         # D2 point) are measured once and reported under each x.
         measured: dict[tuple, dict] = {}
@@ -142,7 +151,7 @@ class Harness:
             for _, x, params in [w for w in work if w[0] is sweep]:
                 key = (sweep.kind == "overhead",
                        tuple(sorted((k, repr(v)) for k, v in params.items() if k != "model")))
-                for provider in self.settings.providers:
+                for provider in providers:
                     bar.set_postfix_str(f"{sweep.x_name}={x} {provider}")
                     if (provider, key) not in measured:
                         measured[(provider, key)] = self._run_point(bench, provider, states[provider], params,
@@ -157,7 +166,7 @@ class Harness:
 
     def _records_for(self, bench, sweep, stamp) -> dict[tuple, Record]:
         records = {}
-        for provider in self.settings.providers:
+        for provider in self.providers(bench):
             for metric, unit in (("speed", "ms"), ("memory", "MB")):
                 for mode in self.settings.modes:
                     records[(provider, metric, mode)] = Record(
@@ -184,7 +193,8 @@ class Harness:
             return compiled
         if provider == "liger":
             return bench.liger
-        raise ValueError(f"unknown provider {provider!r} (providers: {', '.join(PROVIDERS)})")
+        # A peer of this op, or a peer another op declares (then: no implementation here).
+        return bench.peers.get(provider)
 
     def _run_point(self, bench, provider, state, params, x, profile, wall_clock=False) -> dict[tuple, Point]:
         modes = [m for m in self.settings.modes if m in bench.modes]
@@ -351,7 +361,7 @@ class Harness:
     def _probe(self, bench: OpBenchmark) -> dict[str, _ProviderState]:
         """Check availability and calibrate memory estimates at the op's small probe size."""
         states = {}
-        for provider in self.settings.providers:
+        for provider in self.providers(bench):
             state = _ProviderState()
             factory = self._factory(bench, provider)
             if factory is None:

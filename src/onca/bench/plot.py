@@ -8,9 +8,11 @@ import os
 import re
 
 from onca.bench.records import latest, read_csv
-from onca.bench.spec import MODES, PROVIDERS
+from onca.bench.report import ordered
+from onca.bench.spec import MODES
 
-COLORS = {"onca": "#d1495b", "torch": "#8d99ae", "torch_compile": "#00798c", "liger": "#edae49"}
+COLORS = {"onca": "#d1495b", "torch": "#8d99ae", "torch_compile": "#00798c", "liger": "#edae49",
+          "trl": "#6a4c93"}
 
 
 def _slug(text: str) -> str:
@@ -51,7 +53,7 @@ def plot_csv(csv_path: str, out_dir: str, ops: list[str] | None = None, include_
         numeric = all(_x_sort_key(x)[0] == 0 for x in xs)
         fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.2), squeeze=False)
         for ax, mode in zip(axes[0], modes):
-            for provider in PROVIDERS:
+            for provider in ordered(r["kernel_provider"] for r in group):
                 pts = {r["x_value"]: r for r in group
                        if r["kernel_operation_mode"] == mode and r["kernel_provider"] == provider}
                 if not pts:

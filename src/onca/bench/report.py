@@ -10,6 +10,12 @@ from onca.bench.spec import PROVIDERS
 SHORT = {"onca": "onca", "torch": "torch", "torch_compile": "compile", "liger": "liger"}
 
 
+def ordered(providers) -> list[str]:
+    """The harness's providers in their usual order, then peers (``OpBenchmark.peers``) by name."""
+    providers = set(providers)
+    return [p for p in PROVIDERS if p in providers] + sorted(providers - set(PROVIDERS))
+
+
 def _cell(point, unit) -> str:
     if point is None:
         return "-"
@@ -30,12 +36,12 @@ def table(records: list[Record], metric: str = "speed") -> str:
         if r.metric_name == metric:
             groups.setdefault((r.kernel_name, r.sweep, r.x_name, r.kernel_operation_mode), {})[r.kernel_provider] = r
     for (op, sweep, x_name, mode), by_provider in groups.items():
-        providers = [p for p in PROVIDERS if p in by_provider]
+        providers = ordered(by_provider)
         others = [p for p in providers if p != "onca"]
         unit = next(iter(by_provider.values())).metric_unit
-        head = [x_name] + [f"{SHORT[p]} {unit}" for p in providers]
+        head = [x_name] + [f"{SHORT.get(p, p)} {unit}" for p in providers]
         if "onca" in by_provider:
-            head += [f"vs {SHORT[p]}" for p in others]
+            head += [f"vs {SHORT.get(p, p)}" for p in others]
         rows = []
         xs = [pt.x for pt in next(iter(by_provider.values())).points]
         for i, x in enumerate(xs):
@@ -111,6 +117,44 @@ def overhead_summary(rows: list[dict], mode: str = "full") -> str:
         cells = [op, _fmt(onca, 4), *(_fmt(get(p), 4) for p in providers), *(_fmt(get(p) / onca, 2, "x")
                                                                                for p in providers)]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# A provider whose name ends so is a limit (e.g. ``gemm_limit``: the matmuls alone), not a peer:
+# reported beside onca, never counted as the fastest peer.
+LIMIT_SUFFIX = "_limit"
+
+
+def below_peers(rows: list[dict], mode: str = "full") -> str:
+    """Per kernel, over every D1/D2 point of ``mode``: how many points onca is below the fastest
+    peer (its time / onca's below 1), each such point with that ratio and the peer, and onca's
+    largest peak memory relative to liger-kernel's. Empty if there are no such records."""
+    speed: dict[tuple, dict[str, float]] = {}
+    memory: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["sweep"] not in ("d1", "d2") or r["kernel_operation_mode"] != mode or r["status"] != "ok":
+            continue
+        table_ = speed if r["metric_name"] == "speed" else memory if r["metric_name"] == "memory" else None
+        if table_ is not None:
+            table_.setdefault((r["kernel_name"], r["sweep"], str(r["x_value"])), {})[r["kernel_provider"]] = r["y_value_50"]
+    lines = []
+    for op in sorted({k[0] for k in speed}):
+        points = [(k, v) for k, v in speed.items()
+                  if k[0] == op and "onca" in v and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
+        behind = []
+        for (_, sweep, x), times in points:
+            peers = [(p, t) for p, t in times.items() if p != "onca" and not p.endswith(LIMIT_SUFFIX)]
+            if not peers:
+                continue
+            peer, best = min(peers, key=lambda pt: pt[1])
+            if best < times["onca"]:
+                behind.append(f"{sweep} {x}: {best / times['onca']:.2f}x {peer}")
+        ratios = [m["onca"] / m["liger"] for k, m in memory.items()
+                  if k[0] == op and m.get("onca") and m.get("liger")]
+        worst_memory = f"{max(ratios):.2f}x liger's" if ratios else "no liger memory"
+        lines.append(f"{op}: below the fastest peer at {len(behind)} of {len(points)} points; "
+                     f"peak memory at most {worst_memory}")
+        lines += [f"    {b}" for b in behind]
     return "\n".join(lines)
 
 

@@ -10,6 +10,10 @@ Each op has one module ``onca/bench/ops/<op>.py`` defining ``BENCHMARK = OpBench
   PyTorch / Hugging Face computation; the harness times it as ``torch`` and, compiled, as
   ``torch_compile``. ``liger`` imports liger-kernel inside the factory; an ``ImportError`` marks
   the provider unavailable.
+- ``peers``: other libraries' implementations of the same contract, by provider name (e.g.
+  ``{"trl": factory}``: TRL's chunked log-prob function beside Onca's), timed and recorded like
+  ``liger``; an ``ImportError`` in the factory marks the peer unavailable. A run includes every
+  peer of the op unless its providers are named explicitly (``onca bench OP --providers ...``).
 - ``sweeps``: D1 sweeps over one non-model dimension and a D2 sweep over the model registry. Every
   op also has an overhead sweep, derived from ``probe`` (16 tokens): a host-bound point, timed by
   wall clock over back-to-back calls, where each provider's Python and launch path is the cost.
@@ -79,6 +83,8 @@ class OpBenchmark:
     sweeps: tuple[Sweep, ...]
     memory_estimate: Callable[[Params, torch.dtype, str, str], int]
     liger: Factory | None = None
+    # Peer providers: other libraries' implementations, by provider name (not one of PROVIDERS).
+    peers: dict[str, Factory] = field(default_factory=dict)
     bytes_moved: Callable[[Params, torch.dtype, str], int] | None = None
     flops: Callable[[Params, str], float] | None = None
     modes: tuple[str, ...] = MODES
@@ -86,6 +92,16 @@ class OpBenchmark:
     probe: Params = field(default_factory=dict)
     # Shown with every record: what is fixed about the configuration (options, layouts).
     config: str = ""
+
+    def __post_init__(self):
+        clash = [p for p in self.peers if p in PROVIDERS]
+        if clash:
+            raise ValueError(f"{self.name}: peer providers must not reuse the names {PROVIDERS}, got {clash}")
+
+    @property
+    def providers(self) -> tuple[str, ...]:
+        """Every provider this benchmark can run: the harness's own, then its peers."""
+        return PROVIDERS + tuple(self.peers)
 
     def sweep(self, kind: str) -> list[Sweep]:
         if kind == "overhead":

@@ -7,6 +7,7 @@ from onca.nn.embedding import Embedding
 from onca.nn.fused_add_rms_norm import FusedAddRMSNorm
 from onca.nn.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
 from onca.nn.fused_linear_jsd import FusedLinearJSD
+from onca.nn.fused_linear_scaled_cross_entropy import FusedLinearScaledCrossEntropy
 from onca.nn.group_norm import GroupNorm
 from onca.nn.fused_moe import MoEExperts
 from onca.nn.jsd import JSD
@@ -15,6 +16,8 @@ from onca.nn.layer_norm import LayerNorm
 from onca.nn.mhc import MHC
 from onca.nn.mlp import GeGLUMLP, SwiGLUMLP
 from onca.nn.modulated_rms_norm import ModulatedRMSNorm
+from onca.nn.multi_token_attention import MultiTokenAttention
+from onca.nn.neighborhood_attention import NeighborhoodAttention
 from onca.nn.poly_norm import PolyNorm
 from onca.nn.rms_norm import RMSNorm
 from onca.nn.tiled_mlp import TiledGeGLUMLP, TiledSwiGLUMLP
@@ -64,4 +67,7 @@ __all__ = [
     "Softmax",
     "Sparsemax",
     "TVDLoss",
+    "FusedLinearScaledCrossEntropy",
+    "NeighborhoodAttention",
+    "MultiTokenAttention",
 ]

@@ -75,12 +75,15 @@ from onca.tiling import ChunkPlan, RowPlan, plan_rows
 
 __all__ = [
     "TILES",
+    "WIDE_TILES",
     "accumulate_dw",
     "chunk_loop",
     "chunk_plan",
     "chunked_logprobs",
     "head_inputs",
     "head_logits",
+    "head_scales",
+    "logprob_grads",
     "plan",
     "validate_head",
 ]
@@ -88,23 +91,41 @@ __all__ = [
 # Live tiles of both kernels: the logits tile as loaded and the gradient as stored (input dtype);
 # the fp32 logits, their exponentials, the gradient and one temporary (fp32).
 TILES = dict(live_tiles=2, fp32_tiles=4)
+# With soft-capping or the extra per-token statistics (squared exponentials, the masked tile for
+# the top-1 test, tanh's intermediate): two more fp32 tiles.
+WIDE_TILES = dict(live_tiles=2, fp32_tiles=6)
 
 
 # ----------------------------------------------------------------------------------------- kernels
 
 
 @triton.jit
+def _head_transform(x, pre, post, HAS_SOFTCAP: tl.constexpr):
+    """The logits the distribution is taken over, from the head's output ``x`` (fp32):
+    ``post * tanh(pre * x)`` with soft-capping (``pre = scale / cap``, ``post = cap / T``), else
+    ``post * x`` (``post = scale / T``). ``tanh(u) = 2 sigmoid(2u) - 1``."""
+    if HAS_SOFTCAP:
+        return (2.0 * tl.sigmoid(2.0 * (x * pre)) - 1.0) * post
+    return x * post
+
+
+@triton.jit
 def _logprob_stats_kernel(
-    x_ptr, target_ptr, logp_ptr, lse_ptr, ent_ptr,
-    n_rows, n_cols, x_row_stride, ignore_index, inv_t,
+    x_ptr, target_ptr, logp_ptr, lse_ptr, ent_ptr, sq_ptr, mean_ptr, top1_ptr,
+    n_rows, n_cols, x_row_stride, ignore_index, pre, post, inv_cols,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
+    HAS_SQ: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
+    HAS_TOP1: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
-    """Per row: ``lse`` of ``z = x * inv_t`` (online over the column tiles), ``logp = z_y - lse``
-    and, with ``HAS_ENTROPY``, ``lse - sum_j p_j z_j``. Ignored rows load nothing and get 0; a
-    target outside ``[0, n_cols)`` gets a NaN ``logp`` and is never used as an offset."""
+    """Per row of ``z = transform(x)``: ``lse`` (online over the column tiles), ``logp = z_y -
+    lse`` and, each when asked for, the entropy ``lse - sum_j p_j z_j``, ``log sum_j p_j^2``, the
+    mean of ``z`` and whether ``y`` is the first argmax of ``z``. Ignored rows load nothing and get
+    0 (False); a target outside ``[0, n_cols)`` gets a NaN ``logp`` and is never used as an offset."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
@@ -119,16 +140,25 @@ def _logprob_stats_kernel(
         y = tl.where(readable, y, 0)
         rows64 = rows.to(tl.int64)
         x_y = tl.load(x_ptr + rows64 * x_row_stride + y.to(tl.int64), mask=readable, other=0.0)
-        z_y = x_y.to(tl.float32) * inv_t
+        z_y = _head_transform(x_y.to(tl.float32), pre, post, HAS_SOFTCAP)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
         m = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
         d = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         s = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        zsum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        before = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
         for tile in range(COL_TILES):
             cols = tile * BLOCK_COLS + col_offsets
             mask = valid[:, None] & (cols < n_cols)[None, :]
-            z = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * inv_t
+            z = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            z = _head_transform(z, pre, post, HAS_SOFTCAP)
+            if HAS_MEAN:
+                zsum += tl.sum(tl.where(mask, z, 0.0), axis=1)
             z = tl.where(mask, z, float("-inf"))
+            if HAS_TOP1:
+                # The first argmax: a tie with an earlier column does not make y the top-1.
+                before = tl.maximum(before, tl.max(tl.where(cols[None, :] < y[:, None], z, float("-inf")), axis=1))
             m_new = tl.maximum(m, tl.max(z, axis=1))
             # Rows with nothing loaded yet keep m = -inf: shift them by 0 (no -inf - -inf).
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -137,29 +167,44 @@ def _logprob_stats_kernel(
             d = d * alpha + tl.sum(e, axis=1)
             if HAS_ENTROPY:
                 s = s * alpha + tl.sum(e * tl.where(mask, z, 0.0), axis=1)
+            if HAS_SQ:
+                sq = sq * (alpha * alpha) + tl.sum(e * e, axis=1)
             m = m_new
         m = tl.where(valid, m, 0.0)
         d = tl.where(valid, d, 1.0)
-        lse = tl.where(valid, m + tl.log(d), 0.0)
+        log_d = tl.log(d)
+        lse = tl.where(valid, m + log_d, 0.0)
         logp = tl.where(bad, float("nan"), tl.where(valid, z_y - lse, 0.0))
         tl.store(logp_ptr + rows, logp, mask=row_mask)
         tl.store(lse_ptr + rows, lse, mask=row_mask)
         if HAS_ENTROPY:
             tl.store(ent_ptr + rows, tl.where(valid, lse - s / d, 0.0), mask=row_mask)
+        if HAS_SQ:
+            # sum_j p_j^2 = sum_j exp(2 (z_j - m)) / d^2
+            tl.store(sq_ptr + rows, tl.where(valid, tl.log(tl.where(valid, sq, 1.0)) - 2.0 * log_d, 0.0),
+                     mask=row_mask)
+        if HAS_MEAN:
+            tl.store(mean_ptr + rows, tl.where(valid, zsum * inv_cols, 0.0), mask=row_mask)
+        if HAS_TOP1:
+            top1 = readable & (z_y >= m) & (z_y > before)
+            tl.store(top1_ptr + rows, top1.to(tl.int8), mask=row_mask)
 
 
 @triton.jit
 def _logprob_grad_kernel(
     x_ptr, grad_ptr, target_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,
-    n_rows, n_cols, x_row_stride, grad_row_stride, ignore_index, inv_t,
+    n_rows, n_cols, x_row_stride, grad_row_stride, ignore_index, pre, post,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_LP_GRAD: tl.constexpr,
     HAS_ENT_GRAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
-    """``grad = (g_lp * (onehot(y) - p) - g_ent * p * (z - zbar)) * inv_t`` per row, from the saved
-    ``lse`` (and entropy); zero rows where ignored. ``grad_ptr`` may be ``x_ptr``: each tile is read
-    before it is written and no other program touches the row."""
+    """``grad = (g_lp * (onehot(y) - p) - g_ent * p * (z - zbar)) * dz/dx`` per row, from the saved
+    ``lse`` (and entropy), with ``dz/dx = post`` (``post * pre * (1 - tanh^2)`` when soft-capped);
+    zero rows where ignored. ``grad_ptr`` may be ``x_ptr``: each tile is read before it is written
+    and no other program touches the row."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
@@ -173,8 +218,9 @@ def _logprob_grad_kernel(
         # A column never equals -1: rows that are ignored or bad take no one-hot term.
         y = tl.where(valid & ~bad, y, -1)
         lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-        g_lp = tl.load(g_lp_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-        g_lp = tl.where(bad, float("nan"), g_lp)
+        if HAS_LP_GRAD:
+            g_lp = tl.load(g_lp_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+            g_lp = tl.where(bad, float("nan"), g_lp)
         if HAS_ENT_GRAD:
             g_ent = tl.load(g_ent_ptr + rows, mask=valid, other=0.0).to(tl.float32)
             zbar = lse - tl.load(ent_ptr + rows, mask=valid, other=0.0)
@@ -185,13 +231,23 @@ def _logprob_grad_kernel(
             cols = tile * BLOCK_COLS + col_offsets
             col_mask = cols < n_cols
             mask = valid[:, None] & col_mask[None, :]
-            z = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * inv_t
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                t = 2.0 * tl.sigmoid(2.0 * (x * pre)) - 1.0
+                z = t * post
+            else:
+                z = x * post
             p = tl.where(mask, tl.exp(z - lse[:, None]), 0.0)
-            g = -p * g_lp[:, None]
-            g = tl.where(cols[None, :] == y[:, None], g + g_lp[:, None], g)
+            g = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            if HAS_LP_GRAD:
+                g = -p * g_lp[:, None]
+                g = tl.where(cols[None, :] == y[:, None], g + g_lp[:, None], g)
             if HAS_ENT_GRAD:
                 g -= (p * g_ent[:, None]) * (z - zbar[:, None])
-            g = g * inv_t
+            if HAS_SOFTCAP:
+                g = g * (post * pre) * (1.0 - t * t)
+            else:
+                g = g * post
             tl.store(g_rows + cols[None, :], g.to(grad_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & col_mask[None, :])
 
@@ -279,26 +335,45 @@ def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: Chun
             db += g.sum(dim=0, dtype=torch.float32)
 
 
-def _launch_stats(logits, target, logp, lse, ent, ignore_index, temperature) -> None:
+def head_scales(temperature: float, softcap: float, logit_scale: float) -> tuple[float, float]:
+    """The kernels' ``(pre, post)`` for ``z = tanh(x * scale / cap) * cap / T`` (``softcap > 0``) or
+    ``z = x * scale / T`` (``softcap == 0``): see :func:`_head_transform`."""
+    if softcap:
+        return logit_scale / softcap, softcap / temperature
+    return 1.0, logit_scale / temperature
+
+
+def _tiles(wide: bool) -> dict:
+    return WIDE_TILES if wide else TILES
+
+
+def _launch_stats(logits, target, logp, lse, ent, sq, mean, top1, ignore_index, temperature, softcap,
+                  logit_scale) -> None:
     rows, cols = logits.shape
-    p = plan_rows(rows, cols, logits.dtype, **TILES)
+    wide = bool(softcap) or sq is not None or mean is not None or top1 is not None
+    p = plan_rows(rows, cols, logits.dtype, **_tiles(wide))
+    pre, post = head_scales(temperature, softcap, logit_scale)
     _logprob_stats_kernel[(p.grid,)](
-        logits, target, logp, lse, ent if ent is not None else lse,
-        rows, cols, logits.stride(0), ignore_index, 1.0 / temperature,
-        HAS_ENTROPY=ent is not None, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
-        COL_TILES=p.col_tiles, num_warps=p.num_warps,
+        logits, target, logp, lse, ent if ent is not None else lse, sq if sq is not None else lse,
+        mean if mean is not None else lse, top1 if top1 is not None else target,
+        rows, cols, logits.stride(0), ignore_index, pre, post, 1.0 / cols,
+        HAS_SOFTCAP=bool(softcap), HAS_ENTROPY=ent is not None, HAS_SQ=sq is not None,
+        HAS_MEAN=mean is not None, HAS_TOP1=top1 is not None,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
 
 
-def _launch_grad(logits, target, lse, ent, g_lp, g_ent, ignore_index, temperature) -> None:
+def _launch_grad(logits, target, lse, ent, g_lp, g_ent, ignore_index, temperature, softcap,
+                 logit_scale) -> None:
     rows, cols = logits.shape
-    p = plan_rows(rows, cols, logits.dtype, **TILES)
+    p = plan_rows(rows, cols, logits.dtype, **_tiles(bool(softcap)))
+    pre, post = head_scales(temperature, softcap, logit_scale)
     _logprob_grad_kernel[(p.grid,)](
-        logits, logits, target, lse, ent if g_ent is not None else lse, g_lp,
-        g_ent if g_ent is not None else g_lp,
-        rows, cols, logits.stride(0), logits.stride(0), ignore_index, 1.0 / temperature,
-        HAS_ENT_GRAD=g_ent is not None, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
-        COL_TILES=p.col_tiles, num_warps=p.num_warps,
+        logits, logits, target, lse, ent if g_ent is not None else lse,
+        g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse,
+        rows, cols, logits.stride(0), logits.stride(0), ignore_index, pre, post,
+        HAS_SOFTCAP=bool(softcap), HAS_LP_GRAD=g_lp is not None, HAS_ENT_GRAD=g_ent is not None,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
 
 
@@ -307,57 +382,80 @@ def _launch_grad(logits, target, lse, ent, g_lp, g_ent, ignore_index, temperatur
 
 @custom_op("chunked_logprob_forward")
 def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                            ignore_index: int, temperature: float, entropy: bool,
-                            chunk_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(logp, lse, entropy)`` per token of the 2-D ``hidden`` (fp32; ``entropy`` empty unless
-    asked for). One head matmul per chunk and the statistics kernel; nothing else is kept."""
+                            ignore_index: int, temperature: float, softcap: float, logit_scale: float,
+                            entropy: bool, log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool,
+                            chunk_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, lse, entropy, log_sum_sq_probs, mean_logits, is_top1)`` per token of the 2-D
+    ``hidden`` (fp32; ``is_top1`` bool; each optional one empty unless asked for), over the logits
+    ``transform(hidden @ weight.T + bias)`` (``logit_scale``, soft-capping at ``softcap`` unless it
+    is 0, ``temperature``). One head matmul per chunk and the statistics kernel; nothing else is
+    kept."""
     tokens = hidden.shape[0]
-    logp = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-    ent = torch.empty(tokens if entropy else 0, dtype=torch.float32, device=hidden.device)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    logp = torch.empty(tokens, **f32)
+    lse = torch.empty(tokens, **f32)
+    ent = torch.empty(tokens if entropy else 0, **f32)
+    sq = torch.empty(tokens if log_sum_sq_probs else 0, **f32)
+    mean = torch.empty(tokens if mean_logits else 0, **f32)
+    top1 = torch.empty(tokens if is_top1 else 0, dtype=torch.int8, device=hidden.device)
     if tokens:
         chunks = chunk_plan(tokens, hidden.shape[1], weight.shape[0], hidden.dtype, accum_fp32=False,
                             chunk_tokens=chunk_tokens, device=hidden.device)
 
         def visit(logits, start, end):
-            _launch_stats(logits, target[start:end], logp[start:end], lse[start:end],
-                          ent[start:end] if entropy else None, ignore_index, temperature)
+            def part(t, wanted):
+                return t[start:end] if wanted else None
+
+            _launch_stats(logits, target[start:end], logp[start:end], lse[start:end], part(ent, entropy),
+                          part(sq, log_sum_sq_probs), part(mean, mean_logits), part(top1, is_top1),
+                          ignore_index, temperature, softcap, logit_scale)
 
         chunk_loop(hidden, weight, bias, chunks, visit)
-    return logp, lse, ent
+    return logp, lse, ent, sq, mean, top1.view(torch.bool)
 
 
 @chunked_logprob_forward.register_fake
-def _(hidden, weight, bias, target, ignore_index, temperature, entropy, chunk_tokens):
+def _(hidden, weight, bias, target, ignore_index, temperature, softcap, logit_scale, entropy, log_sum_sq_probs,
+      mean_logits, is_top1, chunk_tokens):
     tokens = hidden.shape[0]
     f32 = dict(dtype=torch.float32)
-    return hidden.new_empty(tokens, **f32), hidden.new_empty(tokens, **f32), hidden.new_empty(
-        tokens if entropy else 0, **f32)
+    return (hidden.new_empty(tokens, **f32), hidden.new_empty(tokens, **f32),
+            hidden.new_empty(tokens if entropy else 0, **f32),
+            hidden.new_empty(tokens if log_sum_sq_probs else 0, **f32),
+            hidden.new_empty(tokens if mean_logits else 0, **f32),
+            hidden.new_empty(tokens if is_top1 else 0, dtype=torch.bool))
 
 
 @custom_op("chunked_logprob_backward")
-def chunked_logprob_backward(grad_logp: Tensor, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
+def chunked_logprob_backward(grad_logp: Tensor | None, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
                              bias: Tensor | None, target: Tensor, lse: Tensor, entropy: Tensor,
-                             ignore_index: int, temperature: float, chunk_tokens: int, grad_hidden: bool,
-                             grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dhidden, dweight, dbias)`` for per-token incoming gradients of ``logp`` (and of the
-    entropy, when given): each chunk's logits recomputed, their gradient written over them by one
-    kernel, then the gradient matmuls; ``dweight``/``dbias`` accumulate in fp32. Empty tensors for
-    the gradients not asked for."""
+                             ignore_index: int, temperature: float, softcap: float, logit_scale: float,
+                             chunk_tokens: int, grad_hidden: bool, grad_weight: bool,
+                             grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)`` for per-token incoming gradients of ``logp`` and of the
+    entropy (either may be None: no such term): each chunk's logits recomputed, their gradient
+    written over them by one kernel, then the gradient matmuls; ``dweight``/``dbias`` accumulate
+    in fp32. Empty tensors for the gradients not asked for."""
     tokens, width = hidden.shape
     dx = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grad_hidden else None
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device) if grad_weight else None
     db = torch.zeros(bias.shape, dtype=torch.float32, device=hidden.device) if grad_bias else None
-    if tokens and (grad_hidden or grad_weight or grad_bias):
-        g_lp = grad_logp.to(torch.float32).contiguous()
+    wanted = grad_hidden or grad_weight or grad_bias
+    if tokens and wanted and grad_logp is None and grad_entropy is None:
+        if dx is not None:
+            dx.zero_()
+    elif tokens and wanted:
+        g_lp = grad_logp.to(torch.float32).contiguous() if grad_logp is not None else None
         g_ent = grad_entropy.to(torch.float32).contiguous() if grad_entropy is not None else None
         chunks = chunk_plan(tokens, width, weight.shape[0], hidden.dtype, accum_fp32=grad_weight,
                             chunk_tokens=chunk_tokens, device=hidden.device)
 
         def visit(logits, start, end):
             _launch_grad(logits, target[start:end], lse[start:end],
-                         entropy[start:end] if g_ent is not None else None, g_lp[start:end],
-                         g_ent[start:end] if g_ent is not None else None, ignore_index, temperature)
+                         entropy[start:end] if g_ent is not None else None,
+                         g_lp[start:end] if g_lp is not None else None,
+                         g_ent[start:end] if g_ent is not None else None, ignore_index, temperature, softcap,
+                         logit_scale)
 
         chunk_loop(hidden, weight, bias, chunks, visit, dx=dx, dw=dw, db=db)
     empty = hidden.new_empty(0)
@@ -366,8 +464,8 @@ def chunked_logprob_backward(grad_logp: Tensor, grad_entropy: Tensor | None, hid
 
 
 @chunked_logprob_backward.register_fake
-def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, ignore_index, temperature,
-      chunk_tokens, grad_hidden, grad_weight, grad_bias):
+def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, ignore_index, temperature, softcap,
+      logit_scale, chunk_tokens, grad_hidden, grad_weight, grad_bias):
     empty = hidden.new_empty(0)
     return (hidden.new_empty(hidden.shape) if grad_hidden else empty,
             weight.new_empty(weight.shape) if grad_weight else empty,
@@ -375,25 +473,36 @@ def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, ignor
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves the inputs and the fp32 ``lse`` (and entropy) per token."""
-    hidden, weight, bias, target, ignore_index, temperature, entropy, chunk_tokens = inputs
-    _logp, lse, ent = output
-    ctx.mark_non_differentiable(lse)
-    ctx.options = (ignore_index, temperature, chunk_tokens)
+    """Saves the inputs and the fp32 ``lse`` (and entropy) per token. Gradients are not
+    materialised: an output that takes none (the entropy, logged only) costs nothing in backward."""
+    (hidden, weight, bias, target, ignore_index, temperature, softcap, logit_scale, entropy, _sq, _mean, _top1,
+     chunk_tokens) = inputs
+    _logp, lse, ent, sq, mean, top1 = output
+    ctx.mark_non_differentiable(lse, sq, mean, top1)
+    ctx.set_materialize_grads(False)
+    ctx.options = (ignore_index, temperature, softcap, logit_scale, chunk_tokens)
     ctx.entropy = entropy
     ctx.save_for_backward(hidden, weight, bias, target, lse, ent)
 
 
-def _backward(ctx, grad_logp, _grad_lse, grad_ent):
-    hidden, weight, bias, target, lse, ent = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    if grad_logp is None:
-        grad_logp = torch.zeros_like(lse)
-    grad_ent = grad_ent if ctx.entropy else None
+def logprob_grads(saved, options, entropy: bool, needs_input_grad, grad_logp, grad_ent):
+    """``(dhidden, dweight, dbias)`` (None where not needed) from the tensors and options
+    :func:`_setup_context` saves: the backward of ``chunked_logprob_forward``, shared by its
+    autograd registration and by wrappers that must run it inside a context of their own (TRL's
+    ZeRO-3 gather, ``onca.integrations.trl``)."""
+    hidden, weight, bias, target, lse, ent = saved
+    need_h, need_w, need_b = needs_input_grad[:3]
+    need_b = bias is not None and need_b
+    grad_ent = grad_ent if entropy else None
     dx, dw, db = chunked_logprob_backward(grad_logp, grad_ent, hidden, weight, bias, target, lse, ent,
-                                          *ctx.options, need_h, need_w, bias is not None and need_b)
-    return (dx if need_h else None, dw if need_w else None, db if bias is not None and need_b else None,
-            None, None, None, None, None)
+                                          *options, need_h, need_w, need_b)
+    return dx if need_h else None, dw if need_w else None, db if need_b else None
+
+
+def _backward(ctx, grad_logp, _grad_lse, grad_ent, *_):
+    dx, dw, db = logprob_grads(ctx.saved_tensors, ctx.options, ctx.entropy, ctx.needs_input_grad, grad_logp,
+                               grad_ent)
+    return (dx, dw, db) + (None,) * 10
 
 
 register_autograd(chunked_logprob_forward, _backward, setup_context=_setup_context)
@@ -477,8 +586,8 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tenso
 
 def _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens):
     h2d = as_rows(hidden)
-    logp, _lse, ent = chunked_logprob_forward(
+    logp, _lse, ent, _sq, _mean, _top1 = chunked_logprob_forward(
         h2d, weight.contiguous(), bias.contiguous() if bias is not None else None, labels.reshape(-1).contiguous(),
-        ignore_index, float(temperature), entropy, chunk_tokens or 0)
+        ignore_index, float(temperature), 0.0, 1.0, entropy, False, False, False, chunk_tokens or 0)
     shape = labels.shape
     return logp.view(shape), (ent.view(shape) if entropy else None)

@@ -83,6 +83,38 @@ def liger(p, inputs):
         "mean", None, False, None, scaling, metrics, metrics)
 
 
+def cut_cross_entropy(p, inputs):
+    """Apple's cut-cross-entropy (``linear_cross_entropy``, its default Triton kernel): the plain
+    mean loss only (it has no class weights, token scaling or token metrics)."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    if p.get("options", "plain") != "plain":
+        raise NotImplementedError(f"cut-cross-entropy has no {p['options']} option")
+    return lambda: linear_cross_entropy(inputs["hidden"], inputs["weight"], inputs["target"],
+                                        ignore_index=-100, reduction="mean")
+
+
+class _ThreeGemms(torch.autograd.Function):
+    """The three matmuls any fused linear cross entropy must do, and nothing else: the logits
+    (forward), then dHidden and dWeight from a logits-sized gradient (backward). A speed limit,
+    not an implementation: it holds the whole logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        logits = hidden @ weight.t()
+        ctx.save_for_backward(hidden, weight, logits)
+        return hidden.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, logits = ctx.saved_tensors
+        return logits @ weight, logits.t() @ hidden
+
+
+def gemm_limit(p, inputs):
+    return lambda: _ThreeGemms.apply(inputs["hidden"], inputs["weight"])
+
+
 def flops(p, mode):
     one = 2.0 * p["tokens"] * p["hidden"] * p["vocab"]  # one of the three matmuls
     return {"forward": one, "backward": 2 * one, "full": 3 * one}[mode]
@@ -109,6 +141,10 @@ def memory_estimate(p, dtype, provider, mode):
         extra = _onca_chunk(p) * v * b + 16 * t
     elif provider == "liger":
         extra = _liger_chunk(p) * v * b + 16 * t
+    elif provider == "cut_cross_entropy":
+        extra = 16 * t  # per-token statistics; the logits live only on chip
+    elif provider == "gemm_limit":
+        extra = t * v * b  # the whole logits, saved for the two backward matmuls
     elif provider == "torch":
         # logits in the input dtype, their fp32 upcast and log-softmax; backward: fp32 gradients
         # of both and the logits' gradient in the input dtype.
@@ -128,6 +164,8 @@ BENCHMARK = OpBenchmark(
     onca=onca,
     reference=reference,
     liger=liger,
+    # Apple's cut-cross-entropy as a peer, and the cuBLAS three-matmul time as the limit row.
+    peers={"cut_cross_entropy": cut_cross_entropy, "gemm_limit": gemm_limit},
     sweeps=(
         d1("tokens", [2048, 8192, 16384, 32768], {"hidden": HIDDEN, "vocab": VOCAB},
            "tokens (hidden 4096, vocab 128256)"),
