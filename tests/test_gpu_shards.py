@@ -36,5 +36,5 @@ def test_contributing_describes_every_shard():
     """CONTRIBUTING.md's table of shards (section "On a GPU") has one row per shard, no more."""
     text = (ROOT / "CONTRIBUTING.md").read_text()
     section = text.split("## On a GPU")[1].split("\n## ")[0]
-    rows = re.findall(r"^\| (\w+) \| ", section, re.M)
+    rows = re.findall(r"^\| (\w+) \| ", section, re.MULTILINE)
     assert sorted(r for r in rows if r != "shard") == sorted(SHARDS), "CONTRIBUTING.md's shard table is stale"
