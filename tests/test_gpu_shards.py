@@ -4,6 +4,7 @@ no shard lists would never run on a GPU."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 from tools.gpu_tests import SHARDS, command
 
@@ -29,3 +30,11 @@ def test_memcheck_runs_under_the_sanitizer_at_ci_scale():
     assert cmd[cmd.index("--tool") + 1] == "memcheck" and cmd[-1] == "-x"
     assert env["ONCA_TEST_SCALE"] == "cpu"
     assert command("1", memcheck=False, pytest_args=[])[1]["ONCA_TEST_SCALE"] == "gpu"
+
+
+def test_contributing_describes_every_shard():
+    """CONTRIBUTING.md's table of shards (section "On a GPU") has one row per shard, no more."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    section = text.split("## On a GPU")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| (\w+) \| ", section, re.MULTILINE)
+    assert sorted(r for r in rows if r != "shard") == sorted(SHARDS), "CONTRIBUTING.md's shard table is stale"

@@ -1,7 +1,7 @@
 """The GPU test suite in shards, each sized to finish in one device call (under 8 minutes).
 
     python -m tools.gpu_tests --list            # the shards and their test files
-    python -m tools.gpu_tests 1                 # shard 1 (of 8) at GPU scale (ONCA_TEST_SCALE=gpu)
+    python -m tools.gpu_tests 1                 # shard 1 at GPU scale (ONCA_TEST_SCALE=gpu)
     python -m tools.gpu_tests all               # every shard, one after the other
     python -m tools.gpu_tests 1 --memcheck      # shard 1 under compute-sanitizer's memcheck
 
