@@ -24,7 +24,8 @@ from dataclasses import dataclass
 NORM_ARITHMETICS = ("llama", "olmo2", "gemma", "gemma4", "layernorm1p")
 # MLP kinds: "swiglu" (gate/up/down, SiLU), "phi3" (fused gate_up, SiLU: Phi-3, GLM-4), "geglu"
 # (GELU-tanh gate/up/down), "falcon_h1" (SwiGLU with Falcon-H1's gate and down multipliers).
-MLP_KINDS = ("swiglu", "phi3", "geglu", "falcon_h1")
+# "gated" (gate/up/down with the module's own act_fn: SiLU, GELU or GELU-tanh; vision towers).
+MLP_KINDS = ("swiglu", "phi3", "geglu", "falcon_h1", "gated")
 # RoPE variants: "promoted" (transformers' apply_rotary_pos_emb returning the promoted dtype,
 # partial rotary included), "cast_back" (OLMo-2's: computed in cos/sin's fp32, cast back to q/k's
 # dtype), "llama4" (Llama 4's complex apply_rotary_emb). None: the family's RoPE stays.
@@ -183,7 +184,7 @@ FAMILIES: dict[str, Family] = {
         _vl("mllama", "mllama.modeling_mllama", "Mllama", "MllamaForConditionalGeneration", norm=None, mlp=None,
             norms=(("MllamaTextRMSNorm", "llama"),), mlps=(("MllamaTextMLP", "swiglu"),)),
         # Pixtral is a vision encoder (LLaVA's and Mistral 3's): RMSNorm, gated MLP, 2-D RoPE; no head.
-        _vl("pixtral", "pixtral.modeling_pixtral", "Pixtral", None),
+        _vl("pixtral", "pixtral.modeling_pixtral", "Pixtral", None, mlp="gated"),
         _vl("gemma3", "gemma3.modeling_gemma3", "Gemma3", "Gemma3ForConditionalGeneration", norm="gemma",
             mlp="geglu", softcap_attr="final_logit_softcapping"),
         _vl("gemma4", "gemma4.modeling_gemma4", "Gemma4", "Gemma4ForConditionalGeneration", norm="gemma4",
@@ -193,7 +194,7 @@ FAMILIES: dict[str, Family] = {
         _vl("qwen2_vl", "qwen2_vl.modeling_qwen2_vl", "Qwen2VL", "Qwen2VLForConditionalGeneration", mlp=None,
             mlps=(("Qwen2MLP", "swiglu"),)),
         _vl("qwen2_5_vl", "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLForConditionalGeneration",
-            mlps=(("Qwen2MLP", "swiglu"),)),
+            mlp="gated", mlps=(("Qwen2MLP", "swiglu"),)),
         _vl("qwen3_vl", "qwen3_vl.modeling_qwen3_vl", "Qwen3VL", "Qwen3VLForConditionalGeneration", norm=None,
             mlp=None, norms=(("Qwen3VLTextRMSNorm", "llama"),), mlps=(("Qwen3VLTextMLP", "swiglu"),)),
         _vl("qwen3_vl_moe", "qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoe", "Qwen3VLMoeForConditionalGeneration",
@@ -211,7 +212,8 @@ FAMILIES: dict[str, Family] = {
         _vl("qwen3_5", "qwen3_5.modeling_qwen3_5", "Qwen3_5", "Qwen3_5ForConditionalGeneration", norm="gemma"),
         _vl("qwen3_5_moe", "qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5Moe", "Qwen3_5MoeForConditionalGeneration",
             norm="gemma", experts=True, aux_loss=True),
-        _vl("llama4", "llama4.modeling_llama4", "Llama4", "Llama4ForConditionalGeneration", norm=None, mlp=None,
+        # Llama 4's multimodal model computes its loss from its language model's logits: that stays.
+        _vl("llama4", "llama4.modeling_llama4", "Llama4", None, norm=None, mlp=None,
             norms=(("Llama4TextRMSNorm", "llama"), ("Llama4TextL2Norm", "gemma4")),
             mlps=(("Llama4TextMLP", "swiglu"),), experts=True, experts_name="Llama4TextExperts",
             experts_layout="bmm", rope="llama4"),

@@ -223,7 +223,29 @@ class FalconH1MLPLayer(nn.Module):
                               gate_multiplier=self.gate_multiplier, down_multiplier=self.down_multiplier)
 
 
-MLP_LAYERS = {"swiglu": SwiGLUMLPLayer, "phi3": Phi3MLPLayer, "geglu": GeGLUMLPLayer, "falcon_h1": FalconH1MLPLayer}
+# transformers' activation modules (``ACT2FN``) -> the gated kernels' activation.
+_GATED_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
+                      "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+                      "FastGELUActivation": "gelu_tanh"}
+
+
+class GatedMLPLayer(nn.Module):
+    """``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with whichever of SiLU, GELU or GELU-tanh
+    the module's ``act_fn`` is (vision towers configure it: Pixtral's is GELU); any other
+    activation keeps the module's own forward."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x):
+        activation = _GATED_ACTIVATIONS.get(type(self.act_fn).__name__)
+        if activation is None:
+            return type(self).forward(self, x)
+        return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation,
+                              overwrite_inputs=True)
+
+
+MLP_LAYERS = {"swiglu": SwiGLUMLPLayer, "gated": GatedMLPLayer, "phi3": Phi3MLPLayer, "geglu": GeGLUMLPLayer, "falcon_h1": FalconH1MLPLayer}
 for _layer in MLP_LAYERS.values():
     mark_onca(_layer.forward, "mlp")
 

@@ -4,7 +4,7 @@ demos) and real architectures' shapes from the model registry (GPU comparisons).
 from __future__ import annotations
 
 from onca.models import MODELS, PRESET_MODELS, ModelConfig
-from onca.integrations.transformers.families import family_of
+from onca.integrations.transformers.families import FAMILIES, family_of
 
 # transformers config class per model type (the others: ``AutoConfig.for_model``)
 CONFIG_CLASSES = {
@@ -13,8 +13,8 @@ CONFIG_CLASSES = {
     "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "granite": "GraniteConfig",
 }
 # Short names accepted by `onca compare --model`.
-ALIASES = {"qwen3-moe": "qwen3_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "llama4": "llama4_text",
-           "gemma4": "gemma4_text", "qwen3.5": "qwen3_5_text", "qwen3-vl": "qwen3_vl", "smollm": "smollm3"}
+ALIASES = {"gemma3": "gemma3_text", "qwen3-moe": "qwen3_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "llama-4": "llama4_text",
+           "qwen3.5": "qwen3_5_text", "qwen3-vl": "qwen3_vl", "smollm": "smollm3"}
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True)
 # Family-specific extras that make a tiny model exercise the family's own details.
@@ -79,6 +79,7 @@ PRESETS = {
 
 
 def resolve_model_type(name: str) -> str:
+    """The model type ``name`` (a model type or a short name of ``onca compare``) stands for."""
     model_type = ALIASES.get(name, name)
     family_of(model_type)  # a clear error for an unknown name
     return model_type
@@ -106,7 +107,8 @@ def tiny_config(model_type: str, *, hidden_size: int = 64, layers: int = 2, voca
                 heads: int = 4, kv_heads: int = 2, max_positions: int = 512):
     """A small config of ``model_type`` that still exercises the family's own details (a multimodal
     family: a tiny language model and a tiny vision tower; see ``multimodal_inputs``)."""
-    model_type = resolve_model_type(model_type)
+    model_type = model_type if model_type in FAMILIES else resolve_model_type(model_type)
+    family_of(model_type)
     if model_type in _MULTIMODAL:
         from onca.integrations.transformers import multimodal
 
