@@ -49,6 +49,7 @@ _TINY_EXTRAS = {
                              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                              partial_rotary_factor=0.5, layer_types=["linear_attention", "full_attention"]),
     "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2),
+    "qwen3_vl_moe_text": dict(_MOE, decoder_sparse_step=1, mlp_only_layers=[]),
     "exaone4": dict(sliding_window=32, sliding_window_pattern=2),
     "deepseek_v4": dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                         q_lora_rank=32, qk_rope_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=8,
