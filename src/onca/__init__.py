@@ -18,10 +18,10 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "functional", "nn", "get_profile", "apply", "apply_to", "unapply", "unapply_to",
-    "AutoModelForCausalLM", "__version__",
+    "AutoModelForCausalLM", "supported_model_types", "__version__",
 ]
 
-_INTEGRATION = ("apply", "apply_to", "unapply", "unapply_to", "AutoModelForCausalLM")
+_INTEGRATION = ("apply", "apply_to", "unapply", "unapply_to", "AutoModelForCausalLM", "supported_model_types")
 
 
 def __getattr__(name):

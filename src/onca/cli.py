@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Qwen3-0.6B-shaped model (batch 4, seq 2048, bf16, gradient checkpointing) on a GPU.")
     compare.add_argument("--model", help=_model_help())
     compare.add_argument("--preset",
-                         help="tiny, or a real shape: 0.6b / 8b (qwen3), 8b / 70b (llama), 7b, ...")
+                         help="tiny, or a real shape: 0.6b / 8b (qwen3), 8b / 70b (llama), 20b (gpt_oss), "
+                              "scout (llama4_text), 8b (qwen3_vl), 3b (smollm3), 7b, ...")
     compare.add_argument("--layers", type=positive_int, help="build fewer layers than the preset has")
     compare.add_argument("--batch", type=positive_int, help="sequences per step")
     compare.add_argument("--seq", type=positive_int, help="tokens per sequence")

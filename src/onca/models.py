@@ -25,6 +25,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     final_logit_softcapping: float | None = None
     partial_rotary_factor: float = 1.0
+    # Further config.json keys of the family (experts, a vision tower, ...), as (key, value) pairs.
+    extra: tuple[tuple[str, object], ...] = ()
 
     @property
     def rotary_dim(self) -> int:
@@ -53,8 +55,26 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 
+# Shapes for `onca compare --preset` only (mixture-of-experts and multimodal models whose layers the
+# per-op benchmark sweeps already cover through the models above).
+PRESET_MODELS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in (
+        ModelConfig("smollm3-3b", "smollm3", 2048, 11008, 16, 4, 128, 128256, 36, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True, extra=(("no_rope_layer_interval", 4),)),
+        ModelConfig("gpt-oss-20b", "gpt_oss", 2880, 2880, 64, 8, 64, 201088, 24,
+                    extra=(("num_local_experts", 32), ("num_experts_per_tok", 4), ("sliding_window", 128))),
+        ModelConfig("llama-4-scout", "llama4_text", 5120, 8192, 40, 8, 128, 202048, 48,
+                    extra=(("intermediate_size_mlp", 16384), ("num_local_experts", 16),
+                           ("num_experts_per_tok", 1), ("interleave_moe_layer_step", 1))),
+        # Qwen3-VL-8B's language model; its vision tower keeps transformers' default (the 8B's).
+        ModelConfig("qwen3-vl-8b", "qwen3_vl", 4096, 12288, 32, 8, 128, 151936, 36, rms_norm_eps=1e-6),
+    )
+}
+
+
 def get_model(name: str) -> ModelConfig:
     try:
-        return MODELS[name]
+        return MODELS[name] if name in MODELS else PRESET_MODELS[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; registry: {', '.join(MODELS)}") from None
+        raise ValueError(f"unknown model {name!r}; registry: {', '.join([*MODELS, *PRESET_MODELS])}") from None

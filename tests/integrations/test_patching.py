@@ -157,8 +157,17 @@ def test_auto_model_loader_returns_a_patched_model(tmp_path):
 
 
 def test_every_family_is_listed():
-    assert set(FAMILIES) == {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",
-                             "gemma3_text", "phi3", "olmo2", "granite"}
+    assert set(FAMILIES) == {
+        "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3",
+        "olmo2", "granite",
+        # issue 17: text
+        "smollm3", "ministral", "nemotron", "gpt_oss", "olmo3", "glm4", "falcon_h1", "qwen3_next", "qwen3_5_text",
+        "qwen3_5_moe_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone4", "deepseek_v4", "gemma4_text",
+        "llama4_text",
+        # issue 17: multimodal
+        "llava", "mllama", "pixtral", "gemma3", "gemma4", "paligemma", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+        "qwen3_vl_moe", "glm4v", "glm4v_moe", "internvl", "smolvlm", "qwen3_5", "qwen3_5_moe", "llama4",
+    }
 
 
 def test_trainer_trains_a_patched_model_with_gradient_accumulation(tmp_path, device):

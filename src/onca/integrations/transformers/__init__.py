@@ -5,12 +5,13 @@
     onca.apply_to("qwen3")                          # every Qwen3 model built afterwards
     model = onca.AutoModelForCausalLM.from_pretrained(path)   # load and patch
 
-Supported model types: see ``onca.integrations.transformers.families.FAMILIES``.
+Supported model types: ``onca.supported_model_types()`` (the table:
+``onca.integrations.transformers.families.FAMILIES``).
 """
 
 from onca.integrations.transformers.auto import AutoModelForCausalLM
-from onca.integrations.transformers.families import FAMILIES, Family, family_of
+from onca.integrations.transformers.families import FAMILIES, Family, family_of, supported_model_types
 from onca.integrations.transformers.patch import KERNELS, apply, apply_to, unapply, unapply_to
 
 __all__ = ["apply", "apply_to", "unapply", "unapply_to", "AutoModelForCausalLM", "FAMILIES", "Family",
-           "family_of", "KERNELS"]
+           "family_of", "KERNELS", "supported_model_types"]

@@ -50,6 +50,7 @@ class RunResult:
     step_ms: list[float] = field(default_factory=list)
     peak_mb: float | None = None
     error: str | None = None
+    kernels: dict[str, int] = field(default_factory=dict)  # Onca's kernels in the patched model, counted
 
     @property
     def ok(self) -> bool:
@@ -118,7 +119,7 @@ def _build_model(settings: Settings, config):
     if os.path.isdir(settings.model):
         model = transformers.AutoModelForCausalLM.from_pretrained(settings.model, dtype=settings.dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=settings.dtype)
+        model = _model_class(config)._from_config(config, dtype=settings.dtype)
     return model.to(_device(settings))
 
 
@@ -173,6 +174,19 @@ def _across_ranks(value: float, op: str) -> float:
     return t.item() / (1 if op == "max" else dist.get_world_size())
 
 
+def _model_class(config):
+    """The class Onca patches for ``config``'s family (a multimodal family's
+    ``ForConditionalGeneration``), else transformers' causal-LM auto class."""
+    import transformers
+
+    from onca.integrations.transformers.families import FAMILIES
+
+    family = FAMILIES.get(config.model_type)
+    if family is not None and family.causal_lm_class and family.available():
+        return getattr(family.modeling(), family.causal_lm_class)
+    return transformers.AutoModelForCausalLM
+
+
 def _patch(variant: str, model):
     if variant == "onca":
         import onca
@@ -212,6 +226,8 @@ def train(variant: str, settings: Settings, config, data, progress=None) -> RunR
     try:
         model = _build_model(settings, config)
         _patch(variant, model)
+        if variant == "onca":
+            result.kernels = dict(getattr(model, "_onca_kernels", {}))
         if settings.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if settings.fsdp:
@@ -314,6 +330,10 @@ def report(results: list[RunResult], settings: Settings, config) -> str:
     ok = [r for r in results if r.ok]
     for i in range(settings.steps):
         lines.append(f"{i:6d}" + "".join(f"{r.losses[i]:14.4f}" for r in ok))
+    onca_run = next((r for r in ok if r.variant == "onca"), None)
+    if onca_run is not None:
+        ran = ", ".join(f"{name} x{n}" for name, n in onca_run.kernels.items()) or "none"
+        lines.append(f"Onca kernels in the patched model: {ran}")
     if len(ok) > 1:
         worst = max(abs(a - b) for r in ok[1:] for a, b in zip(r.losses, ok[0].losses))
         lines.append(f"largest loss difference from {ok[0].variant}: {worst:.2e}")

@@ -99,9 +99,35 @@ class RMSNormLayer(nn.Module):
         return layer.forward(self, hidden_states)
 
 
+class OptionalWeightRMSNormLayer(nn.Module):
+    """Gemma 4's RMSNorm (OLMo-2's arithmetic; no weight when ``with_scale`` is false) and weightless
+    RMSNorms such as Llama 4's ``L2Norm``: normalised in fp32, scaled by ``weight`` if any, cast."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        weight = getattr(self, "weight", None) if getattr(self, "with_scale", True) else None
+        return OF.rms_norm(hidden_states, weight, _norm_eps(self), 0.0, "gemma")
+
+
+class LayerNorm1PLayer(nn.Module):
+    """Nemotron's LayerNorm1P: LayerNorm over the last dimension scaled by ``1 + weight``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, input):
+        weight = None if self.weight is None else self.weight + 1.0
+        return OF.layer_norm(input, weight, self.bias, self.eps)
+
+
 RMS_NORM_LAYERS = {"llama": LlamaRMSNormLayer, "olmo2": Olmo2RMSNormLayer, "gemma": ZeroCenteredRMSNormLayer}
-for _layer in (*RMS_NORM_LAYERS.values(), RMSNormLayer):
+for _layer in (*RMS_NORM_LAYERS.values(), RMSNormLayer, OptionalWeightRMSNormLayer):
     mark_onca(_layer.forward, "rms_norm")
+mark_onca(LayerNorm1PLayer.forward, "layer_norm")
+# Every norm arithmetic a family entry names (families.NORM_ARITHMETICS) -> its layer.
+NORM_LAYERS = {**RMS_NORM_LAYERS, "gemma4": OptionalWeightRMSNormLayer, "layernorm1p": LayerNorm1PLayer}
 
 # How a transformers RMSNorm's forward source applies its weight -> the matching Onca arithmetic.
 _RMS_NORM_SCALINGS = (
@@ -187,7 +213,40 @@ class GeGLUMLPLayer(nn.Module):
                               overwrite_inputs=True)
 
 
-MLP_LAYERS = {"swiglu": SwiGLUMLPLayer, "phi3": Phi3MLPLayer, "geglu": GeGLUMLPLayer}
+class FalconH1MLPLayer(nn.Module):
+    """Falcon-H1's MLP: ``down_proj(silu(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x):
+        return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, "silu", overwrite_inputs=True,
+                              gate_multiplier=self.gate_multiplier, down_multiplier=self.down_multiplier)
+
+
+# transformers' activation modules (``ACT2FN``) -> the gated kernels' activation.
+_GATED_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
+                      "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+                      "FastGELUActivation": "gelu_tanh"}
+
+
+class GatedMLPLayer(nn.Module):
+    """``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with whichever of SiLU, GELU or GELU-tanh
+    the module's ``act_fn`` is (vision towers configure it: Pixtral's is GELU); any other
+    activation keeps the module's own forward."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x):
+        activation = _GATED_ACTIVATIONS.get(type(self.act_fn).__name__)
+        if activation is None:
+            return type(self).forward(self, x)
+        return gated_mlp_tail(self.gate_proj(x), self.up_proj(x), self.down_proj, activation,
+                              overwrite_inputs=True)
+
+
+MLP_LAYERS = {"swiglu": SwiGLUMLPLayer, "gated": GatedMLPLayer, "phi3": Phi3MLPLayer, "geglu": GeGLUMLPLayer, "falcon_h1": FalconH1MLPLayer}
 for _layer in MLP_LAYERS.values():
     mark_onca(_layer.forward, "mlp")
 
@@ -216,6 +275,17 @@ def make_experts_forward(original_forward):
         return _experts_loop(self, hidden_states, top_k_index, top_k_weights)
 
     return mark_onca(forward, "mlp")
+
+
+def bmm_experts_forward(self, hidden_states):
+    """Llama 4's experts: tokens grouped per expert, ``bmm`` with ``(E, H, 2I)`` ``gate_up_proj`` and
+    ``(E, I, H)`` ``down_proj``, the fused SwiGLU between them."""
+    hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+    return torch.bmm(OF.swiglu(gate_up, overwrite_inputs=True), self.down_proj).view(-1, self.hidden_size)
+
+
+mark_onca(bmm_experts_forward, "mlp")
 
 
 def _experts_loop(self, hidden_states, top_k_index, top_k_weights):
@@ -247,12 +317,20 @@ def rotary_pos_emb_cast_back(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
+def llama4_rotary_emb(xq, xk, freqs_cis):
+    """Llama 4's ``apply_rotary_emb``: adjacent pairs times a complex table, in q/k's dtypes."""
+    return OF.llama4_rope(xq, xk, freqs_cis)
+
+
 mark_onca(rotary_pos_emb, "rope")
 mark_onca(rotary_pos_emb_cast_back, "rope")
+mark_onca(llama4_rotary_emb, "rope")
 
 
 def rope_for(family: Family):
-    return rotary_pos_emb_cast_back if family.rope_casts_back else rotary_pos_emb
+    """The function Onca puts in place of ``family.rope_function`` for ``family.rope``."""
+    return {"promoted": rotary_pos_emb, "cast_back": rotary_pos_emb_cast_back,
+            "llama4": llama4_rotary_emb}[family.rope]
 
 
 class RotaryPosEmbLayer(nn.Module):
@@ -309,16 +387,21 @@ def _standard_rotate_half(rotate_half) -> bool:
 # ------------------------------------------------------------------------------ causal-LM loss
 
 
-def make_causal_lm_forward(family: Family, original_forward):
+def make_causal_lm_forward(family: Family, original_forward, class_forward=None):
     """A causal-LM ``forward`` that, when training with labels, computes the loss with fused linear
     cross entropy straight from the last hidden states: the logits are never materialised.
 
-    Otherwise (no labels, evaluation, ``skip_logits=False``, or a keyword argument that is not
-    transformers' own, such as TRL's ``fused_lm_head``) it calls ``original_forward(self, ...)``
-    with the arguments it was given: whatever forward was there before, wrappers included. The
-    labels are handled as transformers does: shifted by one, ``-100`` ignored, and summed then
-    divided by ``num_items_in_batch`` when the Trainer passes it (gradient accumulation).
+    Otherwise (no labels, evaluation, ``skip_logits=False``, or a keyword argument that neither
+    transformers' kwargs nor ``class_forward`` (the model class's own forward, default
+    ``original_forward``) take, such as TRL's ``fused_lm_head``) it calls
+    ``original_forward(self, ...)`` with the arguments it was given: whatever forward was there
+    before, wrappers included. Every other argument (a multimodal model's ``pixel_values``,
+    ``image_grid_thw``, ...) goes to the base model ``self.model`` as the original forward passes it.
+    The labels are handled as transformers does: shifted by one, ``-100`` ignored, and summed then
+    divided by ``num_items_in_batch`` when the Trainer passes it (gradient accumulation). Families
+    with a router add its load-balancing loss as transformers does.
     """
+    accepted = _transformers_kwargs() | _parameters(class_forward or original_forward)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None,
@@ -326,7 +409,7 @@ def make_causal_lm_forward(family: Family, original_forward):
         has_labels = labels is not None or kwargs.get("shift_labels") is not None
         if skip_logits is None:
             skip_logits = self.training and has_labels
-        if not skip_logits or not has_labels or not _transformers_kwargs().issuperset(kwargs):
+        if not skip_logits or not has_labels or not accepted.issuperset(kwargs):
             given = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                          use_cache=use_cache, logits_to_keep=logits_to_keep or None)
@@ -335,25 +418,38 @@ def make_causal_lm_forward(family: Family, original_forward):
         shift_labels = kwargs.pop("shift_labels", None)
         return_dict = kwargs.pop("return_dict", None)
         num_items_in_batch = kwargs.get("num_items_in_batch")
+        text_config = self.config.get_text_config()
         model_kwargs = dict(kwargs)
-        if family.experts:
-            model_kwargs["output_router_logits"] = kwargs.get(
-                "output_router_logits", getattr(self.config, "output_router_logits", False))
+        if family.aux_loss:
+            requested = kwargs.get("output_router_logits")
+            model_kwargs["output_router_logits"] = (
+                getattr(text_config, "output_router_logits", False) if requested is None else requested)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                              **model_kwargs)
         hidden = outputs.last_hidden_state
         loss = causal_lm_loss(self, family, hidden, labels, shift_labels, num_items_in_batch)
         aux_loss = None
-        if family.experts and model_kwargs["output_router_logits"]:
+        if family.aux_loss and model_kwargs["output_router_logits"]:
+            experts = getattr(text_config, "num_experts", None) or text_config.num_local_experts
             aux_loss = family.modeling().load_balancing_loss_func(
-                outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+                outputs.router_logits, experts, text_config.num_experts_per_tok, attention_mask)
+            loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
         result = _output(family, outputs, loss, aux_loss)
         return result.to_tuple() if return_dict is False else result
 
     forward.__wrapped__ = original_forward
     return mark_onca(forward, "fused_linear_cross_entropy")
+
+
+def _parameters(function) -> frozenset[str]:
+    """The named parameters of ``function`` (through ``functools.wraps`` wrappers)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in parameters
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self")
 
 
 @functools.cache
@@ -378,10 +474,14 @@ def causal_lm_loss(model, family: Family, hidden, labels, shift_labels, num_item
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     hidden = hidden.reshape(-1, hidden.shape[-1])
     target = shift_labels.reshape(-1).to(hidden.device)
+    config = model.config.get_text_config()
     if family.logits_scaling_attr:
         # Granite divides the logits; dividing the hidden states first is the same product.
-        hidden = hidden / getattr(model.config, family.logits_scaling_attr)
-    softcap = getattr(model.config, family.softcap_attr, None) if family.softcap_attr else None
+        hidden = hidden / getattr(config, family.logits_scaling_attr)
+    if family.logits_multiplier_attr:
+        # Falcon-H1 multiplies them: likewise.
+        hidden = hidden * getattr(config, family.logits_multiplier_attr)
+    softcap = getattr(config, family.softcap_attr, None) if family.softcap_attr else None
     lm_head = model.get_output_embeddings()
     reduction = "sum" if num_items_in_batch is not None else "mean"
 
@@ -460,12 +560,16 @@ def _fsdp_call(owner, fn, *args):
 
 
 def _output(family: Family, outputs, loss, aux_loss):
+    """The output the original forward returns, without logits: the family's own multimodal output
+    class (``LlavaCausalLMOutputWithPast``, ...) where it has one, else transformers' causal-LM (or
+    MoE causal-LM) output; every other field is the base model's."""
+    import dataclasses
+
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    common = dict(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-                  hidden_states=getattr(outputs, "hidden_states", None),
-                  attentions=getattr(outputs, "attentions", None))
-    if family.experts:
-        return MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=getattr(outputs, "router_logits", None),
-                                         **common)
-    return CausalLMOutputWithPast(**common)
+    cls = getattr(family.modeling(), f"{family.prefix}CausalLMOutputWithPast", None)
+    if cls is None:
+        cls = MoeCausalLMOutputWithPast if family.aux_loss else CausalLMOutputWithPast
+    ours = dict(loss=loss, logits=None, aux_loss=aux_loss)
+    return cls(**{f.name: ours[f.name] if f.name in ours else getattr(outputs, f.name, None)
+                  for f in dataclasses.fields(cls)})

@@ -10,19 +10,21 @@ gradient checkpointing behave as before.
 
 from __future__ import annotations
 
+import importlib
 import types
 
 import torch
 
 from onca.integrations.transformers import forwards
-from onca.integrations.transformers.families import Family, family_of
+from onca.integrations.transformers.families import FAMILIES, Family, family_of, supported_model_types
 from onca.ops._validate import check_bool
 
 KERNELS = ("rms_norm", "layer_norm", "mlp", "rope", "fused_linear_cross_entropy")
 
 # Originals of the module-level functions and class methods Onca replaced: (owner, name) -> value.
 _ORIGINALS: dict[tuple[object, str], object] = {}
-# Instances patched by `apply`, so that `unapply` also undoes the module-level RoPE patch last.
+# Models patched by `apply` per modelling module, so that `unapply` undoes the module-level RoPE
+# patch with the last one.
 _ROPE_USERS: dict[str, int] = {}
 
 
@@ -75,62 +77,137 @@ def apply(model, **kernels) -> torch.nn.Module:
 
     Switch kernels off by keyword: ``rms_norm``, ``layer_norm``, ``mlp``, ``rope``,
     ``fused_linear_cross_entropy`` (all on by default; each a bool). An unsupported model type is a
-    ``ValueError`` naming it; everything is checked before anything is patched, so an error leaves
-    the model as it was. Patching twice is harmless; ``onca.unapply(model)`` restores it.
+    ``ValueError`` naming it and the supported ones (``onca.supported_model_types()``); everything
+    is checked before anything is patched, so an error leaves the model as it was. Patching twice
+    is harmless; ``onca.unapply(model)`` restores it. ``model._onca_kernels`` counts what was
+    replaced, per kernel.
     """
     use = _selection(kernels)
     family = family_of(_model_type(model))
-    modeling = family.modeling()
-    patches, counts = _instance_patches(model, family, use)
+    members = families_in(family, model.config)
+    patches, counts = _instance_patches(model, family, members, use)
+    ropes = _rope_patches(members) if use["rope"] else []
     for module, attr, function in patches:
         _patch_instance(module, attr, function)
-    if use["rope"]:
-        _patch_global(modeling, "apply_rotary_pos_emb", forwards.rope_for(family))
-        if not getattr(model, "_onca_rope", False):
-            _ROPE_USERS[family.model_type] = _ROPE_USERS.get(family.model_type, 0) + 1
-            model._onca_rope = True
-        counts["rope"] = 1
+    for modeling, name, function in ropes:
+        _patch_global(modeling, name, function)
+    if ropes:
+        if not getattr(model, "_onca_rope", ()):
+            for modeling, _, _ in ropes:
+                _ROPE_USERS[modeling.__name__] = _ROPE_USERS.get(modeling.__name__, 0) + 1
+            model._onca_rope = tuple((modeling.__name__, name) for modeling, name, _ in ropes)
+        counts["rope"] = len(ropes)
     model._onca_kernels = {name: n for name, n in counts.items() if n}
     return model
 
 
-def _instance_patches(model, family: Family, use: dict[str, bool]):
+def families_in(family: Family, config) -> list[Family]:
+    """``family`` and the families of its ``parts`` (a multimodal model's language model and vision
+    tower, by their sub-configs' model types), recursively. An unsupported language model is an
+    error; a vision tower Onca has no entry for keeps its own layers (its LayerNorms aside)."""
+    members = [family]
+    for part in family.parts:
+        sub = getattr(config, part, None)
+        model_type = getattr(sub, "model_type", None)
+        if model_type is None:
+            continue
+        sub_family = FAMILIES.get(model_type)
+        if sub_family is None or not sub_family.available():
+            if part == "text_config":
+                raise ValueError(
+                    f"Onca does not support {family.model_type}'s language model type {model_type!r}; "
+                    f"supported model types: {', '.join(supported_model_types())}")
+            continue
+        members += [m for m in families_in(sub_family, sub) if m not in members]
+    return members
+
+
+def _rope_patches(members: list[Family]) -> list[tuple[object, str, object]]:
+    patches = []
+    for member in members:
+        if member.rope is None:
+            continue
+        modeling = member.modeling()
+        if not hasattr(modeling, member.rope_function):
+            raise ValueError(f"onca.apply: transformers has no {member.rope_function} in {modeling.__name__}; "
+                             "pass rope=False")
+        if all(existing is not modeling for existing, _, _ in patches):
+            patches.append((modeling, member.rope_function, forwards.rope_for(member)))
+    return patches
+
+
+def _tables(members: list[Family]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """Class name -> norm arithmetic, class name -> MLP kind, and experts class -> layout, over ``members``."""
+    norms, mlps, experts = {}, {}, {}
+    for member in members:
+        norms.update(member.norm_classes)
+        mlps.update(member.mlp_classes)
+        if member.experts:
+            experts[member.experts_class] = member.experts_layout
+    return norms, mlps, experts
+
+
+def _experts_patches(owner, layout: str) -> list[tuple[str, object]]:
+    """``(attribute, function)`` pairs that put Onca's activation into an experts module (or class)."""
+    if layout == "bmm":
+        return [("forward", forwards.bmm_experts_forward)]
+    original = _ORIGINALS.get((owner, "forward"), owner.forward) if isinstance(owner, type) else _forward_of(owner)
+    patches = [("forward", forwards.make_experts_forward(original))]
+    if hasattr(owner if isinstance(owner, type) else type(owner), "_apply_gate"):
+        patches.append(("_apply_gate", forwards.experts_apply_gate))
+    return patches
+
+
+def _norm_kernel(arithmetic: str) -> str:
+    return "layer_norm" if arithmetic == "layernorm1p" else "rms_norm"
+
+
+def _instance_patches(model, family: Family, members: list[Family], use: dict[str, bool]):
     """What ``apply`` would set, as ``(module, attribute, function)`` triples, and the count per
     kernel; raises, before anything is patched, where the model cannot take a selected kernel."""
     patches = []
     counts = {name: 0 for name in KERNELS}
-    rms_forward = forwards.RMS_NORM_LAYERS[family.norm].forward
+    norms, mlps, experts = _tables(members)
     for module in model.modules():
         name = type(module).__name__
-        if use["rms_norm"] and name == family.norm_class:
-            patches.append((module, "forward", rms_forward))
-            counts["rms_norm"] += 1
-        elif use["layer_norm"] and isinstance(module, torch.nn.LayerNorm):
+        arithmetic = norms.get(name)
+        if arithmetic is not None:
+            if use[_norm_kernel(arithmetic)]:
+                patches.append((module, "forward", forwards.NORM_LAYERS[arithmetic].forward))
+                counts[_norm_kernel(arithmetic)] += 1
+        elif use["layer_norm"] and _plain_layer_norm(module):
             patches.append((module, "forward", forwards.layer_norm_forward))
             counts["layer_norm"] += 1
-        elif use["mlp"] and name == family.mlp_class:
-            patches.append((module, "forward", forwards.MLP_LAYERS[family.mlp].forward))
+        elif use["mlp"] and name in mlps:
+            patches.append((module, "forward", forwards.MLP_LAYERS[mlps[name]].forward))
             counts["mlp"] += 1
-        elif use["mlp"] and family.experts and name == family.experts_class:
-            patches.append((module, "forward", forwards.make_experts_forward(_forward_of(module))))
-            if hasattr(type(module), "_apply_gate"):
-                patches.append((module, "_apply_gate", forwards.experts_apply_gate))
+        elif use["mlp"] and name in experts:
+            patches += [(module, attr, function) for attr, function in _experts_patches(module, experts[name])]
             counts["mlp"] += 1
-    if use["fused_linear_cross_entropy"]:
-        if type(model).__name__ != family.causal_lm_class:
+    causal_lm = family.causal_lm_class
+    if use["fused_linear_cross_entropy"] and causal_lm is not None:
+        if type(model).__name__ != causal_lm:
             raise ValueError(
-                f"fused_linear_cross_entropy patches {family.causal_lm_class}, got {type(model).__name__}; "
+                f"fused_linear_cross_entropy patches {causal_lm}, got {type(model).__name__}; "
                 "pass fused_linear_cross_entropy=False to patch a base model"
             )
-        patches.append((model, "forward", forwards.make_causal_lm_forward(family, _current_forward(model))))
+        patches.append((model, "forward", forwards.make_causal_lm_forward(
+            family, _current_forward(model), _forward_of(model))))
         counts["fused_linear_cross_entropy"] = 1
-    if use["rms_norm"] and counts["rms_norm"] == 0:
-        raise ValueError(f"onca.apply found no {family.norm_class} in this {family.model_type} model; "
+    rms_classes = sorted(n for n, a in norms.items() if _norm_kernel(a) == "rms_norm")
+    if use["rms_norm"] and rms_classes and counts["rms_norm"] == 0:
+        raise ValueError(f"onca.apply found no {' or '.join(rms_classes)} in this {family.model_type} model; "
                          "this transformers version may name it differently")
-    if use["mlp"] and counts["mlp"] == 0:
-        raise ValueError(f"onca.apply found no {family.mlp_class} in this {family.model_type} model; "
-                         "this transformers version may name it differently")
+    if use["mlp"] and (mlps or experts) and counts["mlp"] == 0:
+        raise ValueError(f"onca.apply found no {' or '.join(sorted({*mlps, *experts}))} in this "
+                         f"{family.model_type} model; this transformers version may name it differently")
     return patches, counts
+
+
+def _plain_layer_norm(module) -> bool:
+    """A ``torch.nn.LayerNorm`` computing what the class computes (a subclass with a forward of its
+    own, such as Nemotron's LayerNorm1P, is not one)."""
+    return isinstance(module, torch.nn.LayerNorm) and _forward_of(module) is torch.nn.LayerNorm.forward
 
 
 def unapply(model) -> torch.nn.Module:
@@ -145,12 +222,11 @@ def unapply(model) -> torch.nn.Module:
                 delattr(module, attr)
                 if attr in replaced:
                     setattr(module, attr, replaced[attr])
-    if getattr(model, "_onca_rope", False):
-        family = family_of(_model_type(model))
-        _ROPE_USERS[family.model_type] -= 1
-        if _ROPE_USERS[family.model_type] <= 0 and not _class_patched(family):
-            _restore_global(family.modeling(), "apply_rotary_pos_emb")
-        del model._onca_rope
+    for module_name, function in model.__dict__.pop("_onca_rope", ()):
+        _ROPE_USERS[module_name] = _ROPE_USERS.get(module_name, 0) - 1
+        modeling = importlib.import_module(module_name)
+        if _ROPE_USERS[module_name] <= 0 and not _class_patched(modeling):
+            _restore_global(modeling, function)
     model.__dict__.pop("_onca_kernels", None)
     return model
 
@@ -158,47 +234,53 @@ def unapply(model) -> torch.nn.Module:
 def apply_to(model_type: str, **kernels) -> Family:
     """Patch a family's classes before any model is built: every model of ``model_type`` constructed
     afterwards uses Onca's kernels. Switches as ``apply``'s; every class is found before any is
-    patched. ``onca.unapply_to(model_type)`` restores the classes."""
+    patched. ``onca.unapply_to(model_type)`` restores the classes. A family built from others'
+    parts (LLaVA's language model is whichever its config names) needs ``onca.apply`` on the model."""
     use = _selection(kernels)
     family = family_of(model_type)
+    if family.parts:
+        raise ValueError(f"onca.apply_to cannot patch {model_type} before a model exists: its language model "
+                         "is named by its config; use onca.apply(model)")
     modeling = family.modeling()
     patches = []  # (owner, attribute, replacement)
-    if use["rms_norm"]:
-        patches.append((_class_of(modeling, family.norm_class), "forward",
-                        forwards.RMS_NORM_LAYERS[family.norm].forward))
-    mlp_forward = forwards.MLP_LAYERS[family.mlp].forward
+    for class_name, arithmetic in family.norm_classes.items():
+        if use[_norm_kernel(arithmetic)]:
+            patches.append((_class_of(modeling, class_name), "forward", forwards.NORM_LAYERS[arithmetic].forward))
     if use["mlp"] and family.experts:
         experts = _class_of(modeling, family.experts_class)
-        original = _ORIGINALS.get((experts, "forward"), experts.forward)
-        patches.append((experts, "forward", forwards.make_experts_forward(original)))
-        if hasattr(experts, "_apply_gate"):
-            patches.append((experts, "_apply_gate", forwards.experts_apply_gate))
-        if hasattr(modeling, family.mlp_class):  # MoE models with dense layers too
-            patches.append((_class_of(modeling, family.mlp_class), "forward", mlp_forward))
-    elif use["mlp"]:
-        patches.append((_class_of(modeling, family.mlp_class), "forward", mlp_forward))
-    if use["fused_linear_cross_entropy"]:
+        patches += [(experts, attr, function) for attr, function in _experts_patches(experts, family.experts_layout)]
+    if use["mlp"]:
+        for class_name, kind in family.mlp_classes.items():
+            if family.experts and not hasattr(modeling, class_name):
+                continue  # MoE models without dense layers
+            patches.append((_class_of(modeling, class_name), "forward", forwards.MLP_LAYERS[kind].forward))
+    if use["fused_linear_cross_entropy"] and family.causal_lm_class is not None:
         causal_lm = _class_of(modeling, family.causal_lm_class)
         original = _ORIGINALS.get((causal_lm, "forward"), causal_lm.forward)
-        patches.append((causal_lm, "forward", forwards.make_causal_lm_forward(family, original)))
+        patches.append((causal_lm, "forward", forwards.make_causal_lm_forward(family, original, original)))
     if use["rope"]:
-        patches.append((modeling, "apply_rotary_pos_emb", forwards.rope_for(family)))
+        patches += _rope_patches([family])
     for owner, attr, replacement in patches:
         _patch_global(owner, attr, replacement)
     return family
+
+
+def _family_classes(family: Family) -> list[str]:
+    return [*family.norm_classes, *family.mlp_classes, family.experts_class,
+            *([family.causal_lm_class] if family.causal_lm_class else [])]
 
 
 def unapply_to(model_type: str) -> None:
     """Restore the classes and functions ``apply_to(model_type)`` replaced."""
     family = family_of(model_type)
     modeling = family.modeling()
-    for class_name in (family.norm_class, family.mlp_class, family.experts_class, family.causal_lm_class):
+    for class_name in _family_classes(family):
         cls = getattr(modeling, class_name, None)
         if cls is not None:
             _restore_global(cls, "forward")
             _restore_global(cls, "_apply_gate")
-    if not _ROPE_USERS.get(family.model_type):
-        _restore_global(modeling, "apply_rotary_pos_emb")
+    if family.rope is not None and not _ROPE_USERS.get(modeling.__name__):
+        _restore_global(modeling, family.rope_function)
 
 
 def _class_of(modeling, class_name: str):
@@ -208,10 +290,10 @@ def _class_of(modeling, class_name: str):
     return cls
 
 
-def _class_patched(family: Family) -> bool:
-    modeling = family.modeling()
-    return any((getattr(modeling, n, None), "forward") in _ORIGINALS
-               for n in (family.norm_class, family.mlp_class, family.experts_class, family.causal_lm_class))
+def _class_patched(modeling) -> bool:
+    """Whether ``apply_to`` patched a class of ``modeling`` (its RoPE patch must then stay)."""
+    return any(owner is not None and getattr(owner, "__module__", None) == modeling.__name__ and name == "forward"
+               for owner, name in _ORIGINALS)
 
 
 def _patch_global(owner, name: str, value) -> None:

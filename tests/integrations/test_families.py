@@ -1,0 +1,175 @@
+"""Every family of the table (issue 17): a tiny randomly-initialised model, patched and unpatched,
+gives the same loss and gradients over a few AdamW steps, MoE auxiliary losses and multimodal
+inputs (a random image as its processor would give it) included.
+
+The twelve original families also have the longer convergence run of ``test_convergence.py``; this
+one is short (two steps, a step's gradients compared) so that all the families fit the CPU budget.
+Gradients are compared per parameter relative to the parameter's gradient norm, with a floor of
+1e-6 of the whole model's gradient norm: a router or key bias whose gradient is mathematically zero
+(~1e-10 here, rounding noise) is not held to a relative bound.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import onca
+from onca.integrations.transformers import FAMILIES, multimodal
+from onca.integrations.transformers.presets import tiny_config
+from tests.helpers import SCALE
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, STEPS = {"cpu": (2, 24, 2), "gpu": (4, 128, 4)}[SCALE]
+# The twelve original families run the longer test_convergence.py; on the CPU this file takes the rest.
+ORIGINAL = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3",
+            "olmo2", "granite"}
+LR = 1e-3
+# (loss rtol, gradient tolerance, weight tolerance) per dtype: see test_convergence.py's docstring.
+TOL = {torch.float32: (1e-4, 1e-3, 1e-3), torch.bfloat16: (2e-2, 6e-2, 6e-2)}
+# bf16 on the CPU for a few families (each kind of forward once); every family on a GPU.
+BF16_ON_CPU = {"llama4_text", "gpt_oss"}
+# Modules without a language-model head: the loss is the mean square of the encoder's output.
+ENCODERS = {"pixtral": "PixtralVisionModel"}
+# Multimodal models whose loss Onca leaves to the model (it is computed from its language model's logits).
+OWN_LOSS = {"llama4": "Llama4ForConditionalGeneration"}
+
+
+def _build(model_type, dtype, device):
+    family = FAMILIES[model_type]
+    if not family.available():
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    torch.manual_seed(0)
+    config = tiny_config(model_type)
+    name = ENCODERS.get(model_type) or OWN_LOSS.get(model_type) or family.causal_lm_class
+    model = getattr(family.modeling(), name)._from_config(config)
+    return model.to(device=device, dtype=dtype).train(), config
+
+
+def _loss(model_type, model, inputs):
+    if model_type in ENCODERS:
+        return model(**inputs).last_hidden_state.float().square().mean()
+    return model(**inputs, labels=inputs["input_ids"]).loss
+
+
+def _run(model_type, model, inputs):
+    """The loss of each of ``STEPS`` steps (AdamW updates between them; the last loss is a forward
+    only) and the first step's gradients."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for step in range(STEPS):
+        loss = _loss(model_type, model, inputs)
+        if step == STEPS - 1:
+            losses.append(loss.item())
+            break
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _params():
+    for model_type in sorted(FAMILIES):
+        if SCALE == "cpu" and model_type in ORIGINAL:
+            continue
+        yield pytest.param(model_type, torch.float32, id=f"{model_type}-fp32")
+        marks = () if SCALE == "gpu" or model_type in BF16_ON_CPU else pytest.mark.skip(reason="bf16: GPU scale")
+        yield pytest.param(model_type, torch.bfloat16, id=f"{model_type}-bf16", marks=marks)
+
+
+@pytest.mark.parametrize("model_type,dtype", list(_params()))
+def test_family_trains_like_the_original(model_type, dtype, device):
+    reference, config = _build(model_type, dtype, device)
+    twin = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(1)
+    inputs = {k: v.to(device) if v.is_floating_point() is False else v.to(device=device, dtype=dtype)
+              for k, v in multimodal.inputs(model_type, config, BATCH, SEQ, g).items()}
+    ref_losses, ref_grads = _run(model_type, reference, inputs)
+    patched = onca.apply(twin)
+    try:
+        kernels = patched._onca_kernels
+        family = FAMILIES[model_type]
+        assert kernels.get("rms_norm", 0) + kernels.get("layer_norm", 0) > 0
+        if family.causal_lm_class is not None and model_type not in ENCODERS:
+            assert kernels.get("fused_linear_cross_entropy") == 1
+        losses, grads = _run(model_type, patched, inputs)
+    finally:
+        onca.unapply(patched)
+    loss_rtol, grad_tol, weight_tol = TOL[dtype]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=loss_rtol)
+    assert grads.keys() == ref_grads.keys()
+    floor = 1e-6 * torch.stack([g.norm() for g in ref_grads.values()]).norm()
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        gap = (grad - ref).norm()
+        assert gap <= grad_tol * ref.norm() + floor, f"{model_type} gradient {name}: {gap:.2e} vs {ref.norm():.2e}"
+    ref_params = dict(reference.named_parameters())
+    adam_bound = 2 * LR * (STEPS - 1)
+    for name, p in patched.named_parameters():
+        ref = ref_params[name].detach().double()
+        gap = (p.detach().double() - ref).norm()
+        # A weight moved only by noise-sized gradients (see the floor above) may differ by AdamW's step.
+        bound = weight_tol * ref.norm() + adam_bound * ref.numel() ** 0.5
+        assert gap <= bound, f"{model_type} weight {name}: {gap:.2e} apart"
+
+
+def test_supported_model_types_lists_every_available_family():
+    listed = onca.supported_model_types()
+    assert listed == sorted(t for t, f in FAMILIES.items() if f.available())
+    assert {"llama", "smollm3", "gpt_oss", "qwen3_vl", "llava"} <= set(listed)
+
+
+def test_unsupported_language_model_of_a_multimodal_family_is_named():
+    config = tiny_config("llava")
+    config.text_config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256)
+    with pytest.raises(ValueError, match="llava's language model type 'gpt2'"):
+        from onca.integrations.transformers.patch import families_in
+
+        families_in(FAMILIES["llava"], config)
+
+
+def test_nemotron_layer_norm_1p_is_not_taken_for_a_plain_layer_norm():
+    """LayerNorm1P subclasses nn.LayerNorm with 1 + w: the plain LayerNorm patch must not take it."""
+    model, _ = _build("nemotron", torch.float32, "cpu")
+    onca.apply(model, layer_norm=True)
+    try:
+        norms = [m for m in model.modules() if type(m).__name__ == "NemotronLayerNorm1P"]
+        assert norms and all(m.__dict__["forward"].__func__.__name__ == "forward" for m in norms)
+        assert all(m.__dict__["forward"].__func__.__qualname__.startswith("LayerNorm1PLayer") for m in norms)
+    finally:
+        onca.unapply(model)
+
+
+@pytest.mark.parametrize("model_type,preset", [("gpt_oss", "20b"), ("qwen3_vl", "8b"), ("llama4_text", "scout"),
+                                               ("smollm3", "3b")])
+def test_compare_presets_build_the_real_shapes(model_type, preset):
+    from onca.integrations.transformers.presets import registry_config
+    from onca.models import get_model
+    from onca.integrations.transformers.presets import PRESETS
+
+    if not FAMILIES[model_type].available():
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config = registry_config(model_type, preset, layers=1)
+    m = get_model(PRESETS[model_type][preset])
+    text = config.get_text_config()
+    assert (text.hidden_size, text.vocab_size, text.num_hidden_layers) == (m.hidden_size, m.vocab_size, 1)
+    for key, value in m.extra:
+        assert getattr(text, key) == value
+
+
+def test_compare_reports_the_kernels_that_ran():
+    from onca.integrations.transformers import compare
+
+    settings = compare.Settings(model="smollm3", steps=2, batch=1, seq=8, warmup_steps=1,
+                                variants=("huggingface", "onca"))
+    results, config = compare.run(settings, show_progress=False)
+    assert all(r.ok for r in results), [r.error for r in results]
+    onca_run = results[1]
+    assert onca_run.kernels["rms_norm"] > 0 and onca_run.kernels["fused_linear_cross_entropy"] == 1
+    assert "Onca kernels in the patched model: rms_norm x" in compare.report(results, settings, config)
