@@ -192,7 +192,7 @@ def test_help_and_readme_agree_on_model_names():
     readme = README.read_text()
     table = readme.split("## Supported models")[1].split("\n## ")[0]
     listed = {name for row in table.splitlines() if row.startswith("|") and "`" in row
-              for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[2])}
+              for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])}
     assert listed == set(FAMILIES)
     model_help = next(a.help for a in _subparsers(cli.build_parser())["compare"]._actions
                       if a.dest == "model")

@@ -35,7 +35,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
           "tests/ops/test_fused_linear_cross_entropy.py", "tests/nn/test_fused_linear_cross_entropy.py"),
     "6": ("tests/ops/test_kl_div.py", "tests/nn/test_kl_div.py", "tests/ops/test_jsd.py", "tests/nn/test_jsd.py",
           "tests/ops/test_fused_linear_jsd.py", "tests/ops/test_grpo_loss.py"),
-    "7": ("tests/integrations/test_convergence.py",),
+    "7": ("tests/integrations/test_convergence.py", "tests/integrations/test_families.py"),
     "8": (  # patched models compiled and graph-captured, the harness, the command line
         "tests/integrations/test_patching.py", "tests/integrations/test_frameworks.py",
         "tests/integrations/test_compile.py", "tests/integrations/test_cuda_graph.py", "tests/bench",
