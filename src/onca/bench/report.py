@@ -151,9 +151,9 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
                 behind.append(f"{sweep} {x}: {best / times['onca']:.2f}x {peer}")
         ratios = [m["onca"] / m["liger"] for k, m in memory.items()
                   if k[0] == op and m.get("onca") and m.get("liger")]
-        worst_memory = f"{max(ratios):.2f}x liger's" if ratios else "no liger memory"
-        lines.append(f"{op}: below the fastest peer at {len(behind)} of {len(points)} points; "
-                     f"peak memory at most {worst_memory}")
+        memory_note = (f"peak memory at most {max(ratios):.2f}x liger's" if ratios
+                       else "no liger-kernel memory to compare")
+        lines.append(f"{op}: below the fastest peer at {len(behind)} of {len(points)} points; {memory_note}")
         lines += [f"    {b}" for b in behind]
     return "\n".join(lines)
 
