@@ -7,6 +7,7 @@ gradient checkpointing are untouched) and computes the same function through Onc
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import textwrap
@@ -402,6 +403,10 @@ def make_causal_lm_forward(family: Family, original_forward, class_forward=None)
     with a router add its load-balancing loss as transformers does.
     """
     accepted = _transformers_kwargs() | _parameters(class_forward or original_forward)
+    output_class = _output_class(family)
+    output_fields = tuple(f.name for f in dataclasses.fields(output_class))
+    # Resolved here too: a module lookup inside the forward would break torch.compile's graph.
+    load_balancing_loss = getattr(family.modeling(), "load_balancing_loss_func", None) if family.aux_loss else None
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None,
@@ -432,10 +437,10 @@ def make_causal_lm_forward(family: Family, original_forward, class_forward=None)
         aux_loss = None
         if family.aux_loss and model_kwargs["output_router_logits"]:
             experts = getattr(text_config, "num_experts", None) or text_config.num_local_experts
-            aux_loss = family.modeling().load_balancing_loss_func(
+            aux_loss = load_balancing_loss(
                 outputs.router_logits, experts, text_config.num_experts_per_tok, attention_mask)
             loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
-        result = _output(family, outputs, loss, aux_loss)
+        result = _output(output_class, output_fields, outputs, loss, aux_loss)
         return result.to_tuple() if return_dict is False else result
 
     forward.__wrapped__ = original_forward
@@ -559,17 +564,21 @@ def _fsdp_call(owner, fn, *args):
     return owner._onca_fsdp_run(fn, *args)
 
 
-def _output(family: Family, outputs, loss, aux_loss):
-    """The output the original forward returns, without logits: the family's own multimodal output
-    class (``LlavaCausalLMOutputWithPast``, ...) where it has one, else transformers' causal-LM (or
-    MoE causal-LM) output; every other field is the base model's."""
-    import dataclasses
-
+def _output_class(family: Family):
+    """The output class the original forward returns: the family's own multimodal one
+    (``LlavaCausalLMOutputWithPast``, ...) where it has one, else transformers' causal-LM (or MoE
+    causal-LM) output. Looked up when the forward is made: an import inside the forward would
+    break torch.compile's graph."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     cls = getattr(family.modeling(), f"{family.prefix}CausalLMOutputWithPast", None)
     if cls is None:
         cls = MoeCausalLMOutputWithPast if family.aux_loss else CausalLMOutputWithPast
+    return cls
+
+
+def _output(cls, fields, outputs, loss, aux_loss):
+    """``cls`` (whose dataclass ``fields`` are given: ``dataclasses.fields`` is not traceable)
+    without logits: Onca's loss and auxiliary loss, every other field the base model's."""
     ours = dict(loss=loss, logits=None, aux_loss=aux_loss)
-    return cls(**{f.name: ours[f.name] if f.name in ours else getattr(outputs, f.name, None)
-                  for f in dataclasses.fields(cls)})
+    return cls(**{name: ours[name] if name in ours else getattr(outputs, name, None) for name in fields})
