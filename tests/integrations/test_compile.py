@@ -78,17 +78,21 @@ def _loss_and_grads(model, step, tokens):
 NO_ROUTER_LOGITS = {"qwen3_moe"}
 
 
-# Families compiled here. The issue-17 families (test_families.py) are not in this list yet: they
-# were not run under fullgraph compilation in the CPU session that added them (time); the lead runs
-# `-k "compiles_fullgraph"` with NOT_YET_COMPILED added to see which pass, and lists the rest here
-# with the precise reason.
+# Families compiled here: every text family. Not yet: the multimodal ones (this test builds
+# causal-LM auto classes from text configs; test_families.py builds them with images) and Llama 4,
+# whose tiny model reaches no patched RoPE call in the compiled graph (the op check below fails).
 COMPILED_FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "mixtral", "olmo2", "phi3",
-                     "qwen2", "qwen3", "qwen3_moe"]
-NOT_YET_COMPILED = sorted(set(FAMILIES) - set(COMPILED_FAMILIES))
+                     "qwen2", "qwen3", "qwen3_moe",
+                     "deepseek_v4", "exaone4", "falcon_h1", "gemma4_text", "glm4", "gpt_oss", "hunyuan_v1_dense",
+                     "hunyuan_v1_moe", "ministral", "nemotron", "olmo3", "qwen3_5", "qwen3_5_moe",
+                     "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "smollm3"]
+NOT_YET_COMPILED = sorted(set(FAMILIES) - set(COMPILED_FAMILIES))  # the multimodal families and Llama 4
 
 
 @pytest.mark.parametrize("model_type", COMPILED_FAMILIES)
 def test_patched_family_compiles_fullgraph(model_type, device):
+    if not FAMILIES[model_type].available():
+        pytest.skip(f"the installed transformers has no {model_type}")
     model = onca.apply(_model(model_type, device))
     if model_type in NO_ROUTER_LOGITS:
         model.config.output_router_logits = False
