@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._validate import check_bool, check_float, check_index, check_number, check_same_device, check_tensor
 from onca.tiling import MatmulPlan, RowPlan, next_power_of_2, plan_matmul, plan_rows
@@ -258,46 +258,50 @@ def _moe_weight_grad_kernel(
     DTYPE: tl.constexpr = r_ptr.dtype.element_ty
     e = tl.program_id(0)
     n_tiles_k = tl.cdiv(n_cols_out, BLOCK_K)
-    pid_n = tl.program_id(1) // n_tiles_k
-    pid_k = tl.program_id(1) % n_tiles_k
+    n_tiles = tl.cdiv(n_rows_out, BLOCK_N) * n_tiles_k
     seg_start = tl.where(e > 0, tl.load(info_ptr + tl.maximum(e - 1, 0)), 0)
     seg_end = tl.load(info_ptr + e)
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = ns < n_rows_out
-    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_mask = ks < n_cols_out
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for m0 in range(seg_start, seg_end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < seg_end
-        rows64 = rows.to(tl.int64)
-        slots = tl.load(order_ptr + rows, mask=row_mask, other=0)
-        tokens = (slots // top_k).to(tl.int64)
-        lmask = row_mask[:, None] & n_mask[None, :]
-        rmask = row_mask[:, None] & k_mask[None, :]
-        if WGRAD == 0:
-            wt = tl.load(weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-            dy = tl.load(l_ptr + tokens[:, None] * l_row_stride + ns[None, :], mask=lmask, other=0.0)
-            lt = dy.to(tl.float32) * wt[:, None]
-            pre_rows = r_ptr + rows64[:, None] * r_row_stride
-            g_cols = (ks * gate_step).to(tl.int64)[None, :]
-            g = tl.load(pre_rows + g_cols, mask=rmask, other=0.0).to(tl.float32)
-            u = tl.load(pre_rows + g_cols + up_offset, mask=rmask, other=0.0).to(tl.float32)
-            rt, _, _ = _gated(g, u, alpha, limit, ACTIVATION, DTYPE, False)
-            rt = rt.to(DTYPE)
-        else:
-            lt = tl.load(l_ptr + rows64[:, None] * l_row_stride + ns[None, :], mask=lmask, other=0.0)
-            lt = lt.to(tl.float32)
-            rt = tl.load(r_ptr + tokens[:, None] * r_row_stride + ks[None, :], mask=rmask, other=0.0)
-        acc = _dot(tl.trans(lt.to(DTYPE)), rt, acc, DTYPE, DOT_FP32)
+    # The expert's tiles, over however many programs the grid gives it (all on a GPU; a few on a
+    # persistent device, whose grid is bounded).
+    for tile in tl.range(tl.program_id(1), n_tiles, tl.num_programs(1)):
+        pid_n = tile // n_tiles_k
+        pid_k = tile % n_tiles_k
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = ns < n_rows_out
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = ks < n_cols_out
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for m0 in range(seg_start, seg_end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < seg_end
+            rows64 = rows.to(tl.int64)
+            slots = tl.load(order_ptr + rows, mask=row_mask, other=0)
+            tokens = (slots // top_k).to(tl.int64)
+            lmask = row_mask[:, None] & n_mask[None, :]
+            rmask = row_mask[:, None] & k_mask[None, :]
+            if WGRAD == 0:
+                wt = tl.load(weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+                dy = tl.load(l_ptr + tokens[:, None] * l_row_stride + ns[None, :], mask=lmask, other=0.0)
+                lt = dy.to(tl.float32) * wt[:, None]
+                pre_rows = r_ptr + rows64[:, None] * r_row_stride
+                g_cols = (ks * gate_step).to(tl.int64)[None, :]
+                g = tl.load(pre_rows + g_cols, mask=rmask, other=0.0).to(tl.float32)
+                u = tl.load(pre_rows + g_cols + up_offset, mask=rmask, other=0.0).to(tl.float32)
+                rt, _, _ = _gated(g, u, alpha, limit, ACTIVATION, DTYPE, False)
+                rt = rt.to(DTYPE)
+            else:
+                lt = tl.load(l_ptr + rows64[:, None] * l_row_stride + ns[None, :], mask=lmask, other=0.0)
+                lt = lt.to(tl.float32)
+                rt = tl.load(r_ptr + tokens[:, None] * r_row_stride + ks[None, :], mask=rmask, other=0.0)
+            acc = _dot(tl.trans(lt.to(DTYPE)), rt, acc, DTYPE, DOT_FP32)
+            if HAS_BIAS:
+                bias_acc += tl.sum(lt, axis=0)
+        e64 = e.to(tl.int64)
+        out = dw_ptr + e64 * dw_stride_e + ns.to(tl.int64)[:, None] * dw_stride_n + ks.to(tl.int64)[None, :] * dw_stride_k
+        tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
         if HAS_BIAS:
-            bias_acc += tl.sum(lt, axis=0)
-    e64 = e.to(tl.int64)
-    out = dw_ptr + e64 * dw_stride_e + ns.to(tl.int64)[:, None] * dw_stride_n + ks.to(tl.int64)[None, :] * dw_stride_k
-    tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
-    if HAS_BIAS:
-        tl.store(db_ptr + e64 * db_stride_e + ns, bias_acc, mask=tl.where(pid_k == 0, n_mask, False))
+            tl.store(db_ptr + e64 * db_stride_e + ns, bias_acc, mask=tl.where(pid_k == 0, n_mask, False))
 
 
 @triton.jit
@@ -463,7 +467,11 @@ def _weight_grad(mode: int, lhs: Tensor, rhs: Tensor, order: Tensor, weights: Te
     n_experts = dw.shape[0]
     pairs = order.numel()
     p = plan_matmul(n_out, k_out, max(1, pairs // n_experts), rhs.dtype, epilogue_tiles=1 if mode == 0 else 0)
-    grid = (n_experts, triton.cdiv(n_out, p.block_n) * triton.cdiv(k_out, p.block_k))
+    tiles = triton.cdiv(n_out, p.block_n) * triton.cdiv(k_out, p.block_k)
+    profile = get_profile()
+    # A persistent device (Ascend: at most 65535 programs) gets about one program per compute
+    # unit, each expert's programs looping over its tiles; a GPU one program per tile.
+    grid = (n_experts, min(tiles, max(1, profile.compute_units // n_experts)) if profile.persistent else tiles)
     wts = lhs if weights is None else weights
     bias = dw if db is None else db
     # The rows are the reduction here: the plan's (m, n, k) tile is (n_out, k_out, rows).

@@ -179,9 +179,11 @@ def _rope_kernel(
             cos_col = j64 * cos_sc
             sin_col = j64 * sin_sc
             if MROPE == 1:
-                stream = (j >= SEC_T).to(tl.int64) + (j >= SEC_T + SEC_H).to(tl.int64)
-                cos_col += stream * cos_st
-                sin_col += stream * sin_st
+                # A select, not a sum of booleans cast to int64 (triton-ascend's adapter aborted
+                # on those casts in one fp32 backward tile).
+                stream = tl.where(j >= SEC_T + SEC_H, 2, tl.where(j >= SEC_T, 1, 0))
+                cos_col += stream.to(tl.int64) * cos_st
+                sin_col += stream.to(tl.int64) * sin_st
             elif MROPE == 2:
                 r3 = j % 3
                 stream = tl.where((r3 == 1) & (j < 3 * SEC_H), 1, tl.where((r3 == 2) & (j < 3 * SEC_W), 2, 0))
