@@ -248,6 +248,9 @@ def cmd_compare(args) -> int:
     if args.fsdp:
         import torch.distributed as dist
 
+        # Every rank leaves together: a rank that tore its group down while rank 0 was still
+        # reporting made gloo's transport threads abort ("terminate called") at exit.
+        dist.barrier()
         dist.destroy_process_group()
     return 0 if all(r.ok or r.variant == "liger" for r in results) else 1
 
