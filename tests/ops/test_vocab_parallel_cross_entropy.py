@@ -1,0 +1,50 @@
+"""Vocabulary-parallel cross entropy in one process: a one-rank group holding the whole vocabulary
+must give plain cross entropy's loss and gradient; bad input is refused by name. The multi-rank
+sharding itself is tested on two ranks in tests/distributed/test_vocab_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onca.bench.ops.vocab_parallel_cross_entropy import one_rank_group
+from onca.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from tests.helpers import assert_close, leaf, randn
+
+
+@pytest.fixture
+def group(device):
+    """A one-rank group, torn down afterwards: other tests in this worker see no process group."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    yield one_rank_group(device)
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_rank_matches_cross_entropy(device, group, dtype, reduction):
+    logits = randn(37, 203, dtype=dtype, device=device)
+    target = torch.randint(0, 203, (37,), device=device)
+    target[::5] = -100
+    lk = leaf(logits)
+    loss = vocab_parallel_cross_entropy(lk, target, group, vocab_start=0, reduction=reduction)
+    l64 = logits.detach().double().requires_grad_(True)
+    ref = F.cross_entropy(l64, target, ignore_index=-100, reduction=reduction)
+    assert_close(loss, ref, dtype, "loss")
+    g = torch.randn_like(ref)
+    loss.backward(g.to(loss.dtype))
+    ref.backward(g)
+    assert_close(lk.grad, l64.grad, dtype, "dlogits")
+
+
+def test_bad_input_names_the_argument(device, group):
+    logits = randn(4, 10, device=device)
+    with pytest.raises((TypeError, ValueError), match="target"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(5, dtype=torch.long, device=device), group, vocab_start=0)
+    with pytest.raises(ValueError, match="reduction"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=device), group,
+                                     vocab_start=0, reduction="avg")
