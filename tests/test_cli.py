@@ -229,3 +229,36 @@ def test_audit_covers_every_ascend_profile():
     from onca import audit
 
     assert set(audit.ASCEND_TARGETS) == {n for n, p in onca_device.PROFILES.items() if p.kind == "npu"}
+
+
+def _adapter_failure(stderr: str, returncode: int) -> Exception:
+    import subprocess
+
+    return subprocess.CalledProcessError(returncode, ["triton-adapter-opt"], stderr=stderr.encode())
+
+
+def test_audit_retries_an_adapter_crash_once_and_reports_it(monkeypatch):
+    from onca import audit
+
+    launch = audit.Launch(kernel=None, signature={}, constants={}, attrs=None, on_910_95=False)
+    crash = _adapter_failure("TypeSupport.h:173: Assertion `abstractType' failed.", -6)
+    outcomes = []
+
+    def compile_to_linalg(_launch):
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        return "module {}"
+
+    monkeypatch.setattr(audit, "compile_to_linalg", compile_to_linalg)
+    outcomes[:] = [crash, None]  # crashed, then compiled: flaky, not failed
+    error, first = audit._check(launch)
+    assert error is None and "Assertion" in first
+    outcomes[:] = [crash, crash]  # crashed twice: a failure
+    error, first = audit._check(launch)
+    assert "Assertion" in error and first is None
+    outcomes[:] = [_adapter_failure("error: failed to legalize operation", 1)]  # a real error: no retry
+    error, first = audit._check(launch)
+    assert "legalize" in error and not outcomes
+    launch.max_grid = audit.MAX_GRID + 1
+    assert "exceeds" in audit._check(launch)[0]

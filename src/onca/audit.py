@@ -178,15 +178,36 @@ def _error_message(exc: Exception) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:600]
 
 
-def _check(launch: Launch) -> str | None:
-    """None when the launch compiles to Linalg and its grid can launch, else why not."""
+def _is_crash(exc: Exception) -> bool:
+    """The adapter died (an assertion or a signal) instead of reporting an error in the IR."""
+    if not isinstance(exc, subprocess.CalledProcessError):
+        return False
+    text = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
+    return exc.returncode < 0 or "Assertion" in text
+
+
+def _check(launch: Launch) -> tuple[str | None, str | None]:
+    """``(error, crash)``: error is None when the launch compiles to Linalg and its grid can
+    launch, else why not; crash is the adapter's message when it crashed once and then compiled.
+
+    triton-adapter-opt has crashed at random on inputs that compile on the next try (an MLIR
+    assertion on a malformed type, about one compile in 60 of one M-RoPE tile): a crash is retried
+    once and the launch is reported as ``flaky``, so a compiler bug is seen but does not fail CI.
+    An error the adapter reports, or a second crash, is a failure.
+    """
     if launch.max_grid > MAX_GRID:
-        return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}"
-    try:
-        compile_to_linalg(launch)
-    except Exception as exc:  # any compiler failure is the audit's finding
-        return _error_message(exc)
-    return None
+        return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}", None
+    crash = None
+    for _attempt in range(2):
+        try:
+            compile_to_linalg(launch)
+        except Exception as exc:  # any compiler failure is the audit's finding
+            if crash is None and _is_crash(exc):
+                crash = _error_message(exc)
+                continue
+            return _error_message(exc), None
+        return None, crash
+    return crash, None
 
 
 def _line(status: str, launch: Launch) -> str:
@@ -202,18 +223,22 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout) -> int:
     launches, failures = collect(ops, profiles)
     for failure in failures:
         print(failure, file=out, flush=True)
-    passed = 0
+    passed = flaky = 0
     for launch in sorted(launches.values(), key=Launch.sort_key):
-        error = _check(launch)
-        if error is None:
-            passed += 1
-            print(_line("ok", launch), file=out, flush=True)
-        else:
+        error, crash = _check(launch)
+        if error is not None:
             failures.append(launch.name)
             print(f"{_line('FAIL', launch)}: {error}", file=out, flush=True)
+            continue
+        passed += 1
+        if crash is None:
+            print(_line("ok", launch), file=out, flush=True)
+        else:
+            flaky += 1
+            print(f"{_line('flaky', launch)}: compiled on the second try; first: {crash}", file=out, flush=True)
     kernels = len({la.kernel for la in launches.values()})
     print(f"onca audit --ascend: {passed} of {len(launches)} compilations of {kernels} kernels reached "
-          f"Linalg ({len(failures)} failures; {len(ops)} ops, profiles {', '.join(profiles)}; "
+          f"Linalg ({len(failures)} failures, {flaky} compiled after an adapter crash; {len(ops)} ops, profiles {', '.join(profiles)}; "
           f"{time.time() - start:.0f} s; the NPU binary stage needs CANN and was not run)", file=out)
     return 1 if failures else 0
 

@@ -354,6 +354,20 @@ def test_backward_twice(device):
         loss.backward(torch.tensor(0.5))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_forward_gradients_become_the_grads_without_a_copy(device, bias):
+    """Peak memory: the weight gradient the forward pass wrote (the size of the head) must become
+    ``weight.grad`` itself; a copy by autograd would add a second head-sized buffer at backward."""
+    h, w, b, t = make_inputs(BASE, torch.bfloat16, device, bias=bias)
+    leaves = [leaf(x) for x in (h, w, b) if x is not None]
+    loss = fused_linear_cross_entropy(*leaves[:2], t, leaves[2] if bias else None, chunk_tokens=CHUNK)
+    written = [g.data_ptr() for g in loss.grad_fn.grads.tensors if g is not None]
+    loss.backward()
+    assert len(written) == len(leaves)
+    for x, ptr, name in zip(leaves, written, ("hidden", "weight", "bias")):
+        assert x.grad.data_ptr() == ptr, f"{name}.grad is a copy of the forward pass's gradient"
+
+
 def test_bad_input(device):
     h, w, b, t = make_inputs((8, 16, 50), torch.float32, device, bias=True)
     f = fused_linear_cross_entropy
