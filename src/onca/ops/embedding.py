@@ -42,6 +42,7 @@ Saved for backward: the flat indices only (the gradient does not depend on the w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -234,8 +235,13 @@ def _tile_plan(rows: int, cols: int, dtype: torch.dtype, tiles: dict,
                profile: DeviceProfile | None) -> RowPlan:
     """``plan_rows`` for a kernel whose programs loop over (row block, column tile) pairs: column
     tiles are independent here (no per-row state), so the grid covers both."""
-    profile = profile or get_profile()
-    p = plan_rows(rows, cols, dtype, profile=profile, **tiles)
+    return _cached_tile_plan(rows, cols, dtype, tuple(sorted(tiles.items())), profile or get_profile())
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_tile_plan(rows: int, cols: int, dtype: torch.dtype, tiles: tuple, profile: DeviceProfile) -> RowPlan:
+    # Cached: the launchers ask on every call, and a plan with its grid replaced is a new object.
+    p = plan_rows(rows, cols, dtype, profile=profile, **dict(tiles))
     n_tiles = p.row_blocks * p.col_tiles
     grid = min(n_tiles, profile.compute_units) if p.persistent else n_tiles
     return dataclasses.replace(p, grid=grid)

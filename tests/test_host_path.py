@@ -1,0 +1,33 @@
+"""Kernel launches per forward + backward at the overhead sweep's size (16 tokens), per op: at
+host-bound sizes each launch costs tens of microseconds of Triton's Python launcher on a GPU, so
+the count is part of an op's host overhead (issue 12). Measured with the launches stubbed out
+(``tools.host_path``), so it runs anywhere. A new op states its count here; an op whose count
+changes updates it (lower: say so in the commit; higher: justify it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from onca.bench import harness
+from tools.host_path import measure
+
+LAUNCHES = {
+    "attn_res": 2, "cross_entropy": 4, "dyt": 2, "embedding": 2, "fused_add_rms_norm": 2,
+    "fused_linear_cpo": 2, "fused_linear_cross_entropy": 5, "fused_linear_distill": 1, "fused_linear_dpo": 3,
+    "fused_linear_grpo": 2, "fused_linear_jsd": 1, "fused_linear_kto": 3, "fused_linear_logprobs": 2,
+    "fused_linear_orpo": 2, "fused_linear_scaled_cross_entropy": 2, "fused_linear_simpo": 2, "fused_moe": 8,
+    "geglu": 2, "group_norm": 4, "grpo_loss": 2, "jsd": 1, "kl_div": 1, "layer_norm": 2, "llama4_rope": 2,
+    "mhc": 4, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
+    "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rope": 2, "softmax": 2,
+    "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 1, "vocab_parallel_cross_entropy": 5,
+}
+
+
+def test_every_benchmarked_op_has_a_launch_count():
+    assert sorted(LAUNCHES) == harness.list_ops()
+
+
+@pytest.mark.parametrize("op", sorted(LAUNCHES))
+def test_launches_per_step(op):
+    launches = measure(op, timed=False)[0]
+    assert launches == LAUNCHES[op], f"{op}: {launches} launches per forward + backward, the table says {LAUNCHES[op]}"

@@ -1,0 +1,104 @@
+"""The host path of every op at the overhead sweep's size, on any machine: kernel launches per
+forward + backward, and the Python time around them, with Triton's launch stubbed out.
+
+    python -m tools.host_path                 # every op with a benchmark
+    python -m tools.host_path rms_norm cross_entropy
+
+On a GPU an op's host cost at host-bound sizes is about (this Python time) + launches x (Triton's
+per-launch cost, tens of microseconds in Triton 3.6's Python launcher): both numbers are what a
+change to an op's host path can lower, and both are measured here without an accelerator (the
+kernels do not run, so outputs are garbage; nothing reads them). Torch's own time for the same
+computation is printed beside it (on the CPU: torch's C++ path plus a tiny computation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import torch
+
+from onca.bench import harness
+
+
+@contextlib.contextmanager
+def stubbed_launches(counter: list):
+    """Every Triton kernel launch (compiled or interpreted) counted in ``counter[0]``, not run."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def run(self, *args, grid, warmup, **kwargs):
+        counter[0] += 1
+
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+    for cls in originals:
+        cls.run = run
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+
+
+def _step(bench, provider_fn, params, dtype):
+    inputs = bench.make_inputs(params, dtype, "cpu")
+    run = provider_fn(params, inputs)
+    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        result = run()
+        items = result if isinstance(result, (tuple, list)) else (result,)
+        outs = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    return step
+
+
+def _us_per_call(step, calls=200, repeats=5) -> float:
+    step()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def measure(op: str, dtype=torch.float32, timed: bool = True) -> tuple[int, float | None, float | None]:
+    """(launches per forward + backward, Onca's Python µs per call, torch's µs per call); the
+    times are None unless ``timed``."""
+    bench = harness.load(op)
+    params = dict(bench.overhead_sweep().points[0][1])
+    counter = [0]
+    with stubbed_launches(counter):
+        onca_step = _step(bench, bench.onca, params, dtype)
+        onca_step()
+        counter[0] = 0
+        onca_step()
+        launches = counter[0]
+        if not timed:
+            return launches, None, None
+        onca_us = _us_per_call(onca_step)
+    torch_us = _us_per_call(_step(bench, bench.reference, params, dtype))
+    return launches, onca_us, torch_us
+
+
+def main(argv: list[str]) -> int:
+    ops = argv or harness.list_ops()
+    print(f"{'op':36s} {'launches':>8s} {'onca µs':>9s} {'torch µs':>9s}")
+    for op in ops:
+        try:
+            launches, onca_us, torch_us = measure(op)
+        except Exception as exc:  # one op's failure does not hide the others
+            print(f"{op:36s} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        print(f"{op:36s} {launches:8d} {onca_us:9.1f} {torch_us:9.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
