@@ -190,10 +190,11 @@ def _check(launch: Launch) -> tuple[str | None, str | None]:
     """``(error, crash)``: error is None when the launch compiles to Linalg and its grid can
     launch, else why not; crash is the adapter's message when it crashed once and then compiled.
 
-    triton-adapter-opt has crashed at random on inputs that compile on the next try (an MLIR
-    assertion on a malformed type, about one compile in 60 of one M-RoPE tile): a crash is retried
-    once and the launch is reported as ``flaky``, so a compiler bug is seen but does not fail CI.
-    An error the adapter reports, or a second crash, is a failure.
+    triton-adapter-opt crashes at random on inputs that compile on the next try (an MLIR assertion
+    on a malformed type, or a signal; one or two of about 1460 compilations per run, a different
+    kernel each time): a crash is retried once and the launch is reported as ``flaky``, so the
+    compiler bug is seen but does not fail CI. An error the adapter reports, or a second crash, is
+    a failure.
     """
     if launch.max_grid > MAX_GRID:
         return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}", None

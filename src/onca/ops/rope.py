@@ -113,32 +113,6 @@ def _copy_heads(
 
 
 @triton.jit
-def _load_angles(at, stream_stride, mask, j, MROPE: tl.constexpr, SEC_T: tl.constexpr,
-                 SEC_H: tl.constexpr, SEC_W: tl.constexpr):
-    """The fp32 cos (or sin) tile at ``at`` (stream 0); under M-RoPE column ``j`` comes from the
-    position stream its section names (see ``_rope_kernel``).
-
-    The streams are read as three masked loads at affine addresses, each column enabled in exactly
-    one, and summed: no per-column gather offsets. triton-ascend lowers affine masked loads to
-    contiguous copies, and its adapter crashed at random (about 1 compile in 60) on the gather form.
-    """
-    if MROPE == 0:
-        return tl.load(at, mask=mask, other=0.0).to(tl.float32)
-    if MROPE == 1:
-        in_h = (j >= SEC_T) & (j < SEC_T + SEC_H)
-        in_w = j >= SEC_T + SEC_H
-    else:
-        r3 = j % 3
-        in_h = (r3 == 1) & (j < 3 * SEC_H)
-        in_w = (r3 == 2) & (j < 3 * SEC_W)
-    in_t = ~(in_h | in_w)
-    t = tl.load(at, mask=mask & in_t[None, :], other=0.0).to(tl.float32)
-    h = tl.load(at + stream_stride, mask=mask & in_h[None, :], other=0.0).to(tl.float32)
-    w = tl.load(at + 2 * stream_stride, mask=mask & in_w[None, :], other=0.0).to(tl.float32)
-    return t + h + w
-
-
-@triton.jit
 def _rope_kernel(
     xq_ptr, xk_ptr, yq_ptr, yk_ptr, cos_ptr, sin_ptr,
     n_rows, seq_len, n_q_heads, n_kv_heads,
@@ -202,16 +176,29 @@ def _rope_kernel(
             cs_mask = row_mask[:, None] & j_mask[None, :]
             # One load of each cos/sin half per token, shared by all heads of q and k.
             j64 = j.to(tl.int64)
-            cos_at = cos_ptr + cos_tok[:, None] + (j64 * cos_sc)[None, :]
-            sin_at = sin_ptr + sin_tok[:, None] + (j64 * sin_sc)[None, :]
-            c1 = _load_angles(cos_at, cos_st, cs_mask, j, MROPE, SEC_T, SEC_H, SEC_W)
-            s1 = _load_angles(sin_at, sin_st, cs_mask, j, MROPE, SEC_T, SEC_H, SEC_W)
+            cos_col = j64 * cos_sc
+            sin_col = j64 * sin_sc
+            if MROPE == 1:
+                # A select, not a sum of booleans cast to int64 (triton-ascend's adapter aborted
+                # on those casts in one fp32 backward tile).
+                stream = tl.where(j >= SEC_T + SEC_H, 2, tl.where(j >= SEC_T, 1, 0))
+                cos_col += stream.to(tl.int64) * cos_st
+                sin_col += stream.to(tl.int64) * sin_st
+            elif MROPE == 2:
+                r3 = j % 3
+                stream = tl.where((r3 == 1) & (j < 3 * SEC_H), 1, tl.where((r3 == 2) & (j < 3 * SEC_W), 2, 0))
+                cos_col += stream.to(tl.int64) * cos_st
+                sin_col += stream.to(tl.int64) * sin_st
+            cos_at = cos_ptr + cos_tok[:, None] + cos_col[None, :]
+            sin_at = sin_ptr + sin_tok[:, None] + sin_col[None, :]
+            c1 = tl.load(cos_at, mask=cs_mask, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_at, mask=cs_mask, other=0.0).to(tl.float32)
             if INTERLEAVED:
                 c2 = c1
                 s2 = s1
             else:
-                c2 = _load_angles(cos_at + HALF * cos_sc, cos_st, cs_mask, j, MROPE, SEC_T, SEC_H, SEC_W)
-                s2 = _load_angles(sin_at + HALF * sin_sc, sin_st, cs_mask, j, MROPE, SEC_T, SEC_H, SEC_W)
+                c2 = tl.load(cos_at + HALF * cos_sc, mask=cs_mask, other=0.0).to(tl.float32)
+                s2 = tl.load(sin_at + HALF * sin_sc, mask=cs_mask, other=0.0).to(tl.float32)
             if BACKWARD:
                 a = s2
                 b = -s1

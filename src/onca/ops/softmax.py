@@ -17,21 +17,20 @@ over the row: the forward's first pass keeps an online maximum and rescaled sum
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile, get_profile
+from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._rows import as_rows, as_rows_over, from_rows_over, rows_cols
+from onca.ops._row_map import launch_backward, launch_forward, plans
+from onca.ops._rows import as_rows, as_rows_over, from_rows_over
 from onca.ops._validate import check_dim, check_float
 from onca.ops.jsd import _lse_update
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan
 
-__all__ = ["plan", "plan_two_pass", "softmax"]
+__all__ = ["plan", "softmax"]
 
 # Live tiles (input dtype; fp32). Forward: x and y; x and exp(x - m) in fp32. Backward: dy, y and
 # dx; their fp32 forms.
@@ -131,55 +130,16 @@ def _softmax_backward_kernel(
 # --------------------------------------------------------------------------------------- launchers
 
 
-# A two-pass (column-tiled) row keeps at most this many elements of a tile per thread of the widest
-# program on a GPU: the loops over the tiles pipeline their loads, and at 16 per thread (8192-wide
-# tiles) the backward kernels spill on sm_90 (tools/sm90_compile.py); at 8 they do not.
-TWO_PASS_ELEMENTS_PER_THREAD = 8
-
-
-def plan_two_pass(rows: int, cols: int, dtype: torch.dtype, tiles: dict,
-                  profile: DeviceProfile | None = None) -> RowPlan:
-    """``plan_rows`` for a row kernel with a single-tile path and a two-pass column-tiled path
-    (softmax, sparsemax): on a GPU the column tiles are capped at
-    ``TWO_PASS_ELEMENTS_PER_THREAD`` elements per thread of a ``max_warps`` program."""
-    profile = profile or get_profile()
-    p = plan_rows(rows, cols, dtype, profile=profile, **tiles)
-    if p.col_tiles == 1 or profile.kind != "cuda":
-        return p
-    cap = profile.max_warps * 32 * TWO_PASS_ELEMENTS_PER_THREAD
-    if p.block_cols > cap:
-        # The planner halves the widest block for a two-pass row: ask for twice the cap.
-        p = plan_rows(rows, cols, dtype, profile=profile, max_block_cols=2 * cap, **tiles)
-    wanted = p.block_rows * p.block_cols // (32 * TWO_PASS_ELEMENTS_PER_THREAD)
-    warps = max(p.num_warps, min(profile.max_warps, wanted))
-    return p if warps == p.num_warps else dataclasses.replace(p, num_warps=warps)
-
-
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The forward and backward plans for an input of ``shape`` (``(..., cols)``, softmax over the
     last dimension)."""
-    rows, cols = rows_cols(shape)
-    return {
-        "forward": plan_two_pass(rows, cols, dtype, FORWARD_TILES, profile),
-        "backward": plan_two_pass(rows, cols, dtype, BACKWARD_TILES, profile),
-    }
-
-
-def _constexprs(p: RowPlan) -> dict:
-    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
-            "num_warps": p.num_warps}
+    return plans(shape, dtype, FORWARD_TILES, BACKWARD_TILES, profile)
 
 
 @custom_op("softmax_forward")
 def softmax_forward(x: Tensor) -> Tensor:
     """``y``, the softmax of each row of the 2-D ``x``, in ``x``'s dtype."""
-    rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return y
-    p = plan_two_pass(rows, cols, x.dtype, FORWARD_TILES)
-    _softmax_forward_kernel[(p.grid,)](x, y, rows, cols, x.stride(0), y.stride(0), **_constexprs(p))
-    return y
+    return launch_forward(_softmax_forward_kernel, x, FORWARD_TILES)
 
 
 @softmax_forward.register_fake
@@ -190,14 +150,7 @@ def _(x):
 @custom_op("softmax_backward")
 def softmax_backward(dy: Tensor, y: Tensor) -> Tensor:
     """``dx = y * (dy - sum(dy * y))`` per row of the 2-D ``dy``/``y``, in ``y``'s dtype."""
-    rows, cols = y.shape
-    dx = torch.empty((rows, cols), dtype=y.dtype, device=y.device)
-    if y.numel() == 0:
-        return dx
-    p = plan_two_pass(rows, cols, y.dtype, BACKWARD_TILES)
-    _softmax_backward_kernel[(p.grid,)](dy, y, dx, rows, cols, dy.stride(0), y.stride(0), dx.stride(0),
-                                        **_constexprs(p))
-    return dx
+    return launch_backward(_softmax_backward_kernel, dy, y, BACKWARD_TILES)
 
 
 @softmax_backward.register_fake

@@ -38,9 +38,9 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._rows import as_rows, as_rows_over, from_rows_over, rows_cols
+from onca.ops._row_map import launch_backward, launch_forward, plans
+from onca.ops._rows import as_rows, as_rows_over, from_rows_over
 from onca.ops._validate import check_dim, check_float
-from onca.ops.softmax import plan_two_pass
 from onca.tiling import RowPlan
 
 __all__ = ["plan", "sparsemax", "MAX_STEPS"]
@@ -218,29 +218,13 @@ def _sparsemax_backward_kernel(
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The forward and backward plans for an input of ``shape`` (``(..., cols)``, sparsemax over
     the last dimension)."""
-    rows, cols = rows_cols(shape)
-    return {
-        "forward": plan_two_pass(rows, cols, dtype, FORWARD_TILES, profile),
-        "backward": plan_two_pass(rows, cols, dtype, BACKWARD_TILES, profile),
-    }
-
-
-def _constexprs(p: RowPlan) -> dict:
-    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
-            "num_warps": p.num_warps}
+    return plans(shape, dtype, FORWARD_TILES, BACKWARD_TILES, profile)
 
 
 @custom_op("sparsemax_forward")
 def sparsemax_forward(x: Tensor) -> Tensor:
     """``y``, the sparsemax of each row of the 2-D ``x``, in ``x``'s dtype."""
-    rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return y
-    p = plan_two_pass(rows, cols, x.dtype, FORWARD_TILES)
-    _sparsemax_forward_kernel[(p.grid,)](x, y, rows, cols, x.stride(0), y.stride(0), MAX_STEPS=MAX_STEPS,
-                                         **_constexprs(p))
-    return y
+    return launch_forward(_sparsemax_forward_kernel, x, FORWARD_TILES, MAX_STEPS=MAX_STEPS)
 
 
 @sparsemax_forward.register_fake
@@ -251,14 +235,7 @@ def _(x):
 @custom_op("sparsemax_backward")
 def sparsemax_backward(dy: Tensor, y: Tensor) -> Tensor:
     """``dx = dy - mean_S(dy)`` on each row's support ``S = {y > 0}``, 0 elsewhere."""
-    rows, cols = y.shape
-    dx = torch.empty((rows, cols), dtype=y.dtype, device=y.device)
-    if y.numel() == 0:
-        return dx
-    p = plan_two_pass(rows, cols, y.dtype, BACKWARD_TILES)
-    _sparsemax_backward_kernel[(p.grid,)](dy, y, dx, rows, cols, dy.stride(0), y.stride(0), dx.stride(0),
-                                          **_constexprs(p))
-    return dx
+    return launch_backward(_sparsemax_backward_kernel, dy, y, BACKWARD_TILES)
 
 
 @sparsemax_backward.register_fake
