@@ -19,13 +19,34 @@ from __future__ import annotations
 import torch
 
 from onca.ops._partials import partial_buffer, sum_partials
+from onca.device import DeviceProfile
+from onca.ops._rows import rows_cols
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["DIRECT_MAX_ELEMENTS", "launch_backward", "launch_forward"]
+__all__ = ["DIRECT_MAX_ELEMENTS", "backward_plan", "launch_backward", "launch_forward", "plans"]
 
 # 64K elements (16 rows of 4096, 64 of 1024): one program reads them in a few microseconds, less
 # than the two launches it saves on the host.
 DIRECT_MAX_ELEMENTS = 1 << 16
+
+
+def backward_plan(rows: int, cols: int, dtype: torch.dtype, tiles: dict,
+                  profile: DeviceProfile | None = None) -> RowPlan:
+    """The backward's persistent plan: one program up to ``DIRECT_MAX_ELEMENTS`` elements."""
+    direct = rows * cols <= DIRECT_MAX_ELEMENTS
+    return plan_rows(rows, cols, dtype, profile=profile, persistent=True, max_programs=1 if direct else None,
+                     **tiles)
+
+
+def plans(shape, dtype: torch.dtype, forward_tiles: dict, backward_tiles: dict,
+          profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
+    """The forward and backward plans a row norm launches for an input of ``shape``
+    (``(..., hidden)``): what ``onca plan`` prints."""
+    rows, cols = rows_cols(shape)
+    return {
+        "forward": plan_rows(rows, cols, dtype, profile=profile, **forward_tiles),
+        "backward": backward_plan(rows, cols, dtype, backward_tiles, profile),
+    }
 
 
 def _plan_constexprs(p: RowPlan) -> dict:
@@ -49,7 +70,7 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     ``stand_in``: an fp32 tensor on the device, passed for any buffer this plan never touches.
     """
     direct = rows * cols <= DIRECT_MAX_ELEMENTS
-    p = plan_rows(rows, cols, dtype, persistent=True, max_programs=1 if direct else None, **tiles)
+    p = backward_plan(rows, cols, dtype, tiles)
     device = stand_in.device
     if direct:
         partials = [stand_in if d is None else torch.empty((1, cols), dtype=d, device=device)

@@ -26,10 +26,10 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._partials import accumulate_partial, partial_row
-from onca.ops._row_norm import launch_backward, launch_forward
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._row_norm import launch_backward, launch_forward, plans
+from onca.ops._rows import as_rows
 from onca.ops._validate import check_float, check_same_device
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan
 
 __all__ = ["dyt", "plan"]
 
@@ -152,11 +152,7 @@ def _dyt_backward_kernel(
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The forward and backward plans for an input of ``shape`` (``(..., hidden)``)."""
-    rows, cols = rows_cols(shape)
-    return {
-        "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
-        "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
-    }
+    return plans(shape, dtype, FORWARD_TILES, BACKWARD_TILES, profile)
 
 
 @custom_op("dyt_forward")

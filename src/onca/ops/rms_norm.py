@@ -37,10 +37,10 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._partials import accumulate_partial, partial_row
-from onca.ops._row_norm import launch_backward, launch_forward
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._row_norm import launch_backward, launch_forward, plans
+from onca.ops._rows import as_rows
 from onca.ops._validate import check_bool, check_float, check_last_dim, check_number, check_same_device
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan
 
 __all__ = ["CASTING_MODES", "launch_rms_norm_backward", "launch_rms_norm_forward", "plan", "rms_norm"]
 
@@ -269,12 +269,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None, *,
          residual: bool = False) -> dict[str, RowPlan]:
     """The forward and backward plans for an input of ``shape`` (``(..., hidden)``); ``residual``:
     those of the fused residual add."""
-    rows, cols = rows_cols(shape)
-    forward_tiles, backward_tiles = _tiles(residual)
-    return {
-        "forward": plan_rows(rows, cols, dtype, profile=profile, **forward_tiles),
-        "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **backward_tiles),
-    }
+    return plans(shape, dtype, *_tiles(residual), profile)
 
 
 def _tiles(residual: bool) -> tuple[dict, dict]:

@@ -85,7 +85,9 @@ def flops(p, mode):
 
 
 def bytes_moved(p, dtype, mode):
-    t, h, i, e, k = p["tokens"], p["hidden"], p["intermediate"], p["experts"], p["top_k"]
+    # A lower bound: every expert weight and the token rows once (the routed pairs' intermediates
+    # can stay on chip, so top_k does not add to it).
+    t, h, i, e = p["tokens"], p["hidden"], p["intermediate"], p["experts"]
     b = itemsize(dtype)
     weights = 3 * e * h * i * b
     forward = weights + 2 * t * h * b
