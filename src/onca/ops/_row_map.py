@@ -1,6 +1,8 @@
-"""The launchers shared by row ops that map each row of ``x`` to a row of ``y`` and whose backward
-reads ``(dy, y)`` (softmax, sparsemax): both kernels take the two-pass plan below and the same
-arguments, so an op file declares its kernels, its custom ops and its tile counts, and nothing else.
+"""Row ops that map each row of ``x`` to a row of ``y`` and whose backward reads ``(dy, y)``
+(softmax, sparsemax): :func:`register_row_map` declares an op's two custom ops
+(``onca::<name>_forward``, ``onca::<name>_backward``), their fake implementations and autograd
+(the output ``y`` saved), launching the op's two kernels with the two-pass plan below. An op file
+holds its kernels, its tile counts and its public function.
 
 Kernel signatures: ``forward(x, y, n_rows, n_cols, x_row_stride, y_row_stride, BLOCK_ROWS,
 BLOCK_COLS, COL_TILES, ...)`` and ``backward(dy, y, dx, n_rows, n_cols, dy_row_stride,
@@ -16,10 +18,11 @@ import torch
 from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
-from onca.ops._rows import rows_cols
+from onca.ops._contract import Op, custom_op, register_autograd
+from onca.ops._rows import as_rows, rows_cols
 from onca.tiling import RowPlan, plan_rows
 
-__all__ = ["TWO_PASS_ELEMENTS_PER_THREAD", "plan_two_pass", "plans", "launch_forward", "launch_backward"]
+__all__ = ["TWO_PASS_ELEMENTS_PER_THREAD", "plan_two_pass", "plans", "register_row_map"]
 
 # A two-pass (column-tiled) row keeps at most this many elements of a tile per thread of the widest
 # program on a GPU: the loops over the tiles pipeline their loads, and at 16 per thread (8192-wide
@@ -81,3 +84,31 @@ def launch_backward(kernel, dy: Tensor, y: Tensor, tiles: dict, **constexprs) ->
     p = plan_two_pass(rows, cols, y.dtype, tiles)
     kernel[(p.grid,)](dy, y, dx, rows, cols, dy.stride(0), y.stride(0), dx.stride(0), **constexprs, **_constexprs(p))
     return dx
+
+
+def register_row_map(name: str, forward_kernel, backward_kernel, forward_tiles: dict, backward_tiles: dict, *,
+                     forward_doc: str, backward_doc: str, **forward_constexprs) -> Op:
+    """Register ``onca::<name>_forward`` (``y`` from the 2-D ``x``) and ``onca::<name>_backward``
+    (``dx`` from ``dy`` and the saved ``y``) with autograd; return the forward op."""
+
+    def forward(x: Tensor) -> Tensor:
+        return launch_forward(forward_kernel, x, forward_tiles, **forward_constexprs)
+
+    def backward(dy: Tensor, y: Tensor) -> Tensor:
+        return launch_backward(backward_kernel, dy, y, backward_tiles)
+
+    forward.__doc__, backward.__doc__ = forward_doc, backward_doc
+    forward_op = custom_op(f"{name}_forward")(forward)
+    backward_op = custom_op(f"{name}_backward")(backward)
+    forward_op.register_fake(lambda x: torch.empty_like(x))
+    backward_op.register_fake(lambda dy, y: torch.empty_like(y))
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    def grad(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return backward_op(as_rows(dy), y)
+
+    register_autograd(forward_op, grad, setup_context=setup_context)
+    return forward_op

@@ -23,9 +23,8 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._contract import custom_op, register_autograd
-from onca.ops._row_map import launch_backward, launch_forward, plans
-from onca.ops._rows import as_rows, as_rows_over, from_rows_over
+from onca.ops._row_map import plans, register_row_map
+from onca.ops._rows import as_rows_over, from_rows_over
 from onca.ops._validate import check_dim, check_float
 from onca.ops.jsd import _lse_update
 from onca.tiling import RowPlan
@@ -136,42 +135,11 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     return plans(shape, dtype, FORWARD_TILES, BACKWARD_TILES, profile)
 
 
-@custom_op("softmax_forward")
-def softmax_forward(x: Tensor) -> Tensor:
-    """``y``, the softmax of each row of the 2-D ``x``, in ``x``'s dtype."""
-    return launch_forward(_softmax_forward_kernel, x, FORWARD_TILES)
-
-
-@softmax_forward.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@custom_op("softmax_backward")
-def softmax_backward(dy: Tensor, y: Tensor) -> Tensor:
-    """``dx = y * (dy - sum(dy * y))`` per row of the 2-D ``dy``/``y``, in ``y``'s dtype."""
-    return launch_backward(_softmax_backward_kernel, dy, y, BACKWARD_TILES)
-
-
-@softmax_backward.register_fake
-def _(dy, y):
-    return torch.empty_like(y)
-
-
-# ---------------------------------------------------------------------------------------- autograd
-
-
-def _setup_context(ctx, inputs, output):
-    """Saves the output ``y``."""
-    ctx.save_for_backward(output)
-
-
-def _backward(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return softmax_backward(as_rows(dy), y)
-
-
-register_autograd(softmax_forward, _backward, setup_context=_setup_context)
+softmax_forward = register_row_map(
+    "softmax", _softmax_forward_kernel, _softmax_backward_kernel, FORWARD_TILES, BACKWARD_TILES,
+    forward_doc="``y``, the softmax of each row of the 2-D ``x``, in ``x``'s dtype.",
+    backward_doc="``dx = y * (dy - sum(dy * y))`` per row of the 2-D ``dy``/``y``, in ``y``'s dtype.",
+)
 
 
 # ------------------------------------------------------------------------------------------ public

@@ -37,9 +37,8 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._contract import custom_op, register_autograd
-from onca.ops._row_map import launch_backward, launch_forward, plans
-from onca.ops._rows import as_rows, as_rows_over, from_rows_over
+from onca.ops._row_map import plans, register_row_map
+from onca.ops._rows import as_rows_over, from_rows_over
 from onca.ops._validate import check_dim, check_float
 from onca.tiling import RowPlan
 
@@ -221,42 +220,11 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     return plans(shape, dtype, FORWARD_TILES, BACKWARD_TILES, profile)
 
 
-@custom_op("sparsemax_forward")
-def sparsemax_forward(x: Tensor) -> Tensor:
-    """``y``, the sparsemax of each row of the 2-D ``x``, in ``x``'s dtype."""
-    return launch_forward(_sparsemax_forward_kernel, x, FORWARD_TILES, MAX_STEPS=MAX_STEPS)
-
-
-@sparsemax_forward.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@custom_op("sparsemax_backward")
-def sparsemax_backward(dy: Tensor, y: Tensor) -> Tensor:
-    """``dx = dy - mean_S(dy)`` on each row's support ``S = {y > 0}``, 0 elsewhere."""
-    return launch_backward(_sparsemax_backward_kernel, dy, y, BACKWARD_TILES)
-
-
-@sparsemax_backward.register_fake
-def _(dy, y):
-    return torch.empty_like(y)
-
-
-# ---------------------------------------------------------------------------------------- autograd
-
-
-def _setup_context(ctx, inputs, output):
-    """Saves the output ``y``."""
-    ctx.save_for_backward(output)
-
-
-def _backward(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return sparsemax_backward(as_rows(dy), y)
-
-
-register_autograd(sparsemax_forward, _backward, setup_context=_setup_context)
+sparsemax_forward = register_row_map(
+    "sparsemax", _sparsemax_forward_kernel, _sparsemax_backward_kernel, FORWARD_TILES, BACKWARD_TILES, MAX_STEPS=MAX_STEPS,
+    forward_doc="``y``, the sparsemax of each row of the 2-D ``x``, in ``x``'s dtype.",
+    backward_doc="``dx = dy - mean_S(dy)`` on each row's support ``S = {y > 0}``, 0 elsewhere.",
+)
 
 
 # ------------------------------------------------------------------------------------------ public
