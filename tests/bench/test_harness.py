@@ -137,6 +137,23 @@ def test_csv_append_plot_and_latest(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_a_categorical_sweep_as_bars_and_a_limit_hatched(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    recs = [records.Record("toy", provider, "speed", "ms", "NVIDIA H200", "model", "model", "t", "full", "toy",
+                           "0.1", "d2", "bfloat16", [records.Point(m, ms, ms * 0.9, ms * 1.1)
+                                                     for m, ms in (("llama-3-8b", 2.0), ("phi-3-mini", 1.0))])
+            for provider in ("onca", "liger", "gemm_limit")]
+    path = tmp_path / "results.csv"
+    records.append_csv(str(path), recs)
+    bars = []
+    draw = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda ax, *a, **k: bars.append((k["label"], k.get("hatch"))) or draw(ax, *a, **k))
+    assert len(plot.plot_csv(str(path), str(tmp_path / "plots"))) == 1
+    assert bars == [("onca", None), ("liger", None), ("gemm_limit", "//")]
+
+
 def test_report_table_shows_speedups():
     recs = []
     for provider, ms in (("onca", 1.0), ("torch", 3.0)):

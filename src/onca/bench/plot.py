@@ -1,5 +1,7 @@
-"""PNG charts from the results CSV: per op, sweep axis and metric, one panel per mode, one line per
-provider with its 20th–80th percentile band."""
+"""PNG charts from the results CSV: per op, sweep axis and metric, one panel per mode. A numeric
+axis (tokens, vocabulary) gets one line per provider with its 20th–80th percentile band; a
+categorical one (models, option sets) grouped bars with the band as error bars. A limit row
+(``*_limit``, never a peer) is drawn hatched."""
 
 from __future__ import annotations
 
@@ -8,11 +10,11 @@ import os
 import re
 
 from onca.bench.records import latest, read_csv
-from onca.bench.report import ordered
+from onca.bench.report import LIMIT_SUFFIX, ordered
 from onca.bench.spec import MODES
 
 COLORS = {"onca": "#d1495b", "torch": "#8d99ae", "torch_compile": "#00798c", "liger": "#edae49",
-          "trl": "#6a4c93"}
+          "trl": "#6a4c93", "cut_cross_entropy": "#2e4057", "gemm_limit": "#5c5c5c"}
 
 
 def _slug(text: str) -> str:
@@ -53,19 +55,27 @@ def plot_csv(csv_path: str, out_dir: str, ops: list[str] | None = None, include_
         numeric = all(_x_sort_key(x)[0] == 0 for x in xs)
         fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.2), squeeze=False)
         for ax, mode in zip(axes[0], modes):
-            for provider in ordered(r["kernel_provider"] for r in group):
+            providers = [p for p in ordered(r["kernel_provider"] for r in group)
+                         if any(r["kernel_operation_mode"] == mode and r["kernel_provider"] == p
+                                and not math.isnan(r["y_value_50"]) for r in group)]
+            for index, provider in enumerate(providers):
                 pts = {r["x_value"]: r for r in group
                        if r["kernel_operation_mode"] == mode and r["kernel_provider"] == provider}
-                if not pts:
-                    continue
-                xv = [float(x) if numeric else i for i, x in enumerate(xs)]
                 y50 = [pts[x]["y_value_50"] if x in pts else math.nan for x in xs]
                 y20 = [pts[x]["y_value_20"] if x in pts else math.nan for x in xs]
                 y80 = [pts[x]["y_value_80"] if x in pts else math.nan for x in xs]
-                if all(math.isnan(v) for v in y50):
+                color = COLORS.get(provider)
+                if numeric:
+                    xv = [float(x) for x in xs]
+                    ax.plot(xv, y50, marker="o", ms=3.5, lw=1.8, label=provider, color=color)
+                    ax.fill_between(xv, y20, y80, alpha=0.2, color=color, lw=0)
                     continue
-                ax.plot(xv, y50, marker="o", ms=3.5, lw=1.8, label=provider, color=COLORS.get(provider))
-                ax.fill_between(xv, y20, y80, alpha=0.2, color=COLORS.get(provider), lw=0)
+                width = 0.8 / len(providers)
+                xv = [i - 0.4 + width * (index + 0.5) for i in range(len(xs))]
+                errors = [[max(0.0, m - lo) for m, lo in zip(y50, y20)], [max(0.0, hi - m) for m, hi in zip(y50, y80)]]
+                ax.bar(xv, y50, width, label=provider, color=color, yerr=errors, ecolor="#333333", capsize=2,
+                       hatch="//" if provider.endswith(LIMIT_SUFFIX) else None,
+                       alpha=0.55 if provider.endswith(LIMIT_SUFFIX) else 1.0)
             ax.set_title(f"{mode}")
             ax.set_xlabel(group[0]["x_label"])
             ax.set_ylabel(f"{metric} ({group[0]['metric_unit']})")
