@@ -114,3 +114,50 @@ def test_op_contract(device):
 
     assert_op_contract(fn, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), labels),
                        expect_ops={"chunked_logprob_forward", "chunked_logprob_backward"})
+
+
+def _accumulator_dtypes(monkeypatch) -> list:
+    """The dtype of the weight-gradient accumulator each chunk adds into (spied on the driver)."""
+    from onca.ops import _chunked_head
+
+    seen = []
+    add = _chunked_head.accumulate_dw
+    monkeypatch.setattr(_chunked_head, "accumulate_dw", lambda dw, g, h: seen.append(dw.dtype) or add(dw, g, h))
+    return seen
+
+
+@pytest.mark.parametrize("accum_dtype", [None, torch.bfloat16, torch.float32], ids=str)
+def test_weight_gradient_accumulator(monkeypatch, device, accum_dtype):
+    """The weight's dtype by default (liger-kernel's chunked losses), fp32 when asked; both close to
+    the float64 reference, and fp32 at least as close over many chunks."""
+    h, w, _, labels = make_inputs(BASE, torch.bfloat16, device)
+    seen = _accumulator_dtypes(monkeypatch)
+    wk = leaf(w)
+    logp, _ = chunked_logprobs(h, wk, labels, chunk_tokens=CHUNK, accum_dtype=accum_dtype)
+    logp.sum().backward()
+    expected = torch.float32 if accum_dtype == torch.float32 else torch.bfloat16
+    assert len(seen) > 1 and set(seen) == {expected}
+    assert wk.grad.dtype == torch.bfloat16
+    per, _, _, (_, w64, _) = reference_logps(h, w, None, labels, 1.0)
+    per.sum().backward()
+    assert_close(wk.grad, w64.grad, torch.bfloat16, "dweight")
+
+
+def test_fp32_accumulator_is_at_least_as_exact(device):
+    h, w, _, labels = make_inputs(BASE, torch.bfloat16, device)
+    per, _, _, (_, w64, _) = reference_logps(h, w, None, labels, 1.0)
+    per.sum().backward()
+    errors = {}
+    for accum_dtype in (None, torch.float32):
+        wk = leaf(w)
+        chunked_logprobs(h, wk, labels, chunk_tokens=2, accum_dtype=accum_dtype)[0].sum().backward()
+        errors[accum_dtype] = (wk.grad.double() - w64.grad).norm().item()
+    assert errors[torch.float32] <= errors[None]
+
+
+def test_bad_accum_dtype(device):
+    h, w, _, labels = make_inputs((2, 5, 12, 77), torch.bfloat16, device)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        chunked_logprobs(h, w, labels, accum_dtype=torch.float16)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        chunked_logprobs(h, w, labels, accum_dtype="float32")

@@ -104,3 +104,30 @@ def test_op_contract(device):
         chunk_tokens=4)
     assert_op_contract(fn, (sh.requires_grad_(), sw.requires_grad_(), th, tw, labels),
                        expect_ops={"fused_linear_distill_forward"})
+
+
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=str)
+def test_forward_gradients_become_the_grads_without_a_copy(device, accum_dtype):
+    """The student's gradients computed in the forward pass become its ``.grad`` (rescaled in place
+    by the incoming gradient, no head-sized copy at the backward's peak), in the weight's dtype
+    whichever accumulator the chunks used."""
+    n, hs, ht, v = SHAPE
+    sh, sw = leaf(randn(n, hs, dtype=torch.bfloat16, device=device)), leaf(randn(v, hs, dtype=torch.bfloat16,
+                                                                                  device=device, std=0.3))
+    th, tw = randn(n, ht, dtype=torch.bfloat16, device=device), randn(v, ht, dtype=torch.bfloat16, device=device)
+    loss = fused_linear_distill(sh, sw, th, tw, chunk_tokens=8, accum_dtype=accum_dtype)
+    written = [g.data_ptr() for g in loss.grad_fn.grads.tensors if g is not None]
+    (2 * loss).backward()
+    assert [sh.grad.data_ptr(), sw.grad.data_ptr()] == written
+    assert sw.grad.dtype == torch.bfloat16
+    sh2, sw2 = leaf(sh.detach()), leaf(sw.detach())
+    fused_linear_distill(sh2, sw2, th, tw, chunk_tokens=8, accum_dtype=accum_dtype).backward()
+    assert_close(sw.grad, 2 * sw2.grad, torch.bfloat16, "dstudent_weight x2")
+
+
+def test_bad_accum_dtype(device):
+    n, hs, ht, v = SHAPE
+    sh, sw = randn(n, hs, device=device), randn(v, hs, device=device)
+    th, tw = randn(n, ht, device=device), randn(v, ht, device=device)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        fused_linear_distill(sh, sw, th, tw, accum_dtype=torch.float16)

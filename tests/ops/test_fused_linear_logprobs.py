@@ -11,7 +11,7 @@ from onca.ops._chunked_head import chunk_plan
 from onca.ops.fused_linear_logprobs import OPTIONAL_OUTPUTS, fused_linear_logprobs, plan
 from tests.contract import assert_op_contract
 from tests.helpers import SCALE, assert_close, leaf, non_contiguous, randn, rounded
-from tests.ops.posttrain_reference import IGNORE, make_inputs
+from tests.ops.posttrain_reference import BASE, IGNORE, make_inputs
 
 # (sequences, tokens, hidden, vocab): awkward vocabularies; real widths on the GPU.
 SHAPES = {
@@ -217,3 +217,18 @@ def test_op_contract(device):
 
     assert_op_contract(fn, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), labels),
                        expect_ops={"chunked_logprob_forward", "chunked_logprob_backward"})
+
+
+def test_weight_gradient_accumulates_in_fp32_by_default(monkeypatch, device):
+    """TRL's contract: its kernel accumulates the weight gradient in fp32; ``accum_dtype=None`` opts
+    into the weight's dtype."""
+    from tests.ops.test_chunked_head import _accumulator_dtypes
+
+    h, w, _, labels = make_inputs(BASE, torch.bfloat16, device)
+    for accum_dtype, expected in (("default", torch.float32), (None, torch.bfloat16)):
+        seen = _accumulator_dtypes(monkeypatch)
+        kwargs = {} if accum_dtype == "default" else {"accum_dtype": accum_dtype}
+        wk = leaf(w)
+        fused_linear_logprobs(h, wk, labels, chunk_tokens=CHUNK, **kwargs).log_probs.sum().backward()
+        assert seen and set(seen) == {expected}
+        monkeypatch.undo()

@@ -73,12 +73,14 @@ class _Head(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, logit_scale, wanted):
+        # The weight gradient accumulates in fp32, as in TRL's own kernel.
+        accum_fp32 = weight.dtype != torch.float32
         results = chunked_logprob_forward(hidden, weight, bias, targets, -100, temperature, softcap, logit_scale,
-                                          *wanted, 0)
+                                          *wanted, 0, accum_fp32)
         _logp, lse, ent, sq, mean, top1 = results
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse, sq, mean, top1)
-        ctx.options = (-100, temperature, softcap, logit_scale, 0)
+        ctx.options = (-100, temperature, softcap, logit_scale, 0, accum_fp32)
         ctx.entropy = wanted[0]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         _CALLS["forward"] += 1

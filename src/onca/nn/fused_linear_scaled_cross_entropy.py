@@ -21,7 +21,7 @@ class FusedLinearScaledCrossEntropy(nn.Module):
     """
 
     def __init__(self, temperature: float = 1.0, ignore_index: int = -100, return_entropy: bool = False,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, accum_dtype: torch.dtype | None = None):
         super().__init__()
         check_options(ignore_index, temperature, chunk_tokens)
         check_bool(return_entropy, "return_entropy")
@@ -29,12 +29,13 @@ class FusedLinearScaledCrossEntropy(nn.Module):
         self.ignore_index = ignore_index
         self.return_entropy = return_entropy
         self.chunk_tokens = chunk_tokens
+        self.accum_dtype = accum_dtype
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None):
         return fused_linear_scaled_cross_entropy(hidden, weight, target, self.temperature, self.ignore_index,
                                                  return_entropy=self.return_entropy, bias=bias,
-                                                 chunk_tokens=self.chunk_tokens)
+                                                 chunk_tokens=self.chunk_tokens, accum_dtype=self.accum_dtype)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, ignore_index={self.ignore_index}, "

@@ -42,9 +42,10 @@ class FusedLinearDPOLoss(_Options):
     ref_weight=None, **tensors)`` (``bias``, ``ref_bias``, ``ref_chosen_logps``, ...)."""
 
     def __init__(self, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_weight=0.0, ignore_index=-100,
-                 chunk_tokens=None, return_aux=False):
+                 chunk_tokens=None, accum_dtype=None, return_aux=False):
         super().__init__(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, nll_weight=nll_weight,
-                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, return_aux=return_aux)
+                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+                         return_aux=return_aux)
 
     def forward(self, hidden, weight, labels, ref_hidden=None, ref_weight=None, **tensors):
         return fused_linear_dpo(hidden, weight, labels, ref_hidden, ref_weight, **tensors, **self.options)
@@ -54,9 +55,10 @@ class FusedLinearSimPOLoss(_Options):
     """:func:`onca.functional.fused_linear_simpo`; ``forward(hidden, weight, labels, bias=None)``."""
 
     def __init__(self, beta=2.0, gamma=0.5, label_smoothing=0.0, nll_weight=0.0, ignore_index=-100,
-                 chunk_tokens=None, return_aux=False):
+                 chunk_tokens=None, accum_dtype=None, return_aux=False):
         super().__init__(beta=beta, gamma=gamma, label_smoothing=label_smoothing, nll_weight=nll_weight,
-                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, return_aux=return_aux)
+                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+                         return_aux=return_aux)
 
     def forward(self, hidden, weight, labels, bias=None):
         return fused_linear_simpo(hidden, weight, labels, bias=bias, **self.options)
@@ -65,9 +67,10 @@ class FusedLinearSimPOLoss(_Options):
 class FusedLinearORPOLoss(_Options):
     """:func:`onca.functional.fused_linear_orpo`; ``forward(hidden, weight, labels, bias=None)``."""
 
-    def __init__(self, beta=0.1, nll_weight=1.0, ignore_index=-100, chunk_tokens=None, return_aux=False):
+    def __init__(self, beta=0.1, nll_weight=1.0, ignore_index=-100, chunk_tokens=None, accum_dtype=None,
+                 return_aux=False):
         super().__init__(beta=beta, nll_weight=nll_weight, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                         return_aux=return_aux)
+                         accum_dtype=accum_dtype, return_aux=return_aux)
 
     def forward(self, hidden, weight, labels, bias=None):
         return fused_linear_orpo(hidden, weight, labels, bias=bias, **self.options)
@@ -77,10 +80,10 @@ class FusedLinearCPOLoss(_Options):
     """:func:`onca.functional.fused_linear_cpo`; ``forward(hidden, weight, labels, bias=None)``."""
 
     def __init__(self, beta=0.1, loss_type="sigmoid", simpo_gamma=0.5, label_smoothing=0.0, nll_weight=1.0,
-                 ignore_index=-100, chunk_tokens=None, return_aux=False):
+                 ignore_index=-100, chunk_tokens=None, accum_dtype=None, return_aux=False):
         super().__init__(beta=beta, loss_type=loss_type, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing,
                          nll_weight=nll_weight, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                         return_aux=return_aux)
+                         accum_dtype=accum_dtype, return_aux=return_aux)
 
     def forward(self, hidden, weight, labels, bias=None):
         return fused_linear_cpo(hidden, weight, labels, bias=bias, **self.options)
@@ -91,10 +94,10 @@ class FusedLinearKTOLoss(_Options):
     ref_hidden=None, ref_weight=None, **tensors)`` (``bias``, ``ref_logps``, ``kl``, ...)."""
 
     def __init__(self, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto", ignore_index=-100,
-                 chunk_tokens=None, return_aux=False):
+                 chunk_tokens=None, accum_dtype=None, return_aux=False):
         super().__init__(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
                          loss_type=loss_type, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                         return_aux=return_aux)
+                         accum_dtype=accum_dtype, return_aux=return_aux)
 
     def forward(self, hidden, weight, labels, desirable, ref_hidden=None, ref_weight=None, **tensors):
         return fused_linear_kto(hidden, weight, labels, desirable, ref_hidden, ref_weight, **tensors, **self.options)
@@ -106,11 +109,12 @@ class FusedLinearGRPOLoss(_Options):
 
     def __init__(self, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None, loss_type="dapo",
                  importance_sampling_level="token", max_completion_length=None, temperature=1.0, ignore_index=-100,
-                 chunk_tokens=None, return_aux=False):
+                 chunk_tokens=None, accum_dtype=None, return_aux=False):
         super().__init__(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
                          loss_type=loss_type, importance_sampling_level=importance_sampling_level,
                          max_completion_length=max_completion_length, temperature=temperature,
-                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, return_aux=return_aux)
+                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+                         return_aux=return_aux)
 
     def forward(self, hidden, weight, labels, advantages, old_logps=None, ref_logps=None, **tensors):
         return fused_linear_grpo(hidden, weight, labels, advantages, old_logps, ref_logps, **tensors, **self.options)
@@ -121,10 +125,11 @@ class FusedLinearDistillLoss(_Options):
     teacher_hidden, teacher_weight, labels=None, **tensors)``."""
 
     def __init__(self, divergence="forward_kl", beta=0.5, temperature=1.0, weight_hard_loss=0.0,
-                 weight_soft_loss=1.0, ignore_index=-100, chunk_tokens=None, return_aux=False):
+                 weight_soft_loss=1.0, ignore_index=-100, chunk_tokens=None, accum_dtype=None, return_aux=False):
         super().__init__(divergence=divergence, beta=beta, temperature=temperature,
                          weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
-                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, return_aux=return_aux)
+                         ignore_index=ignore_index, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+                         return_aux=return_aux)
 
     def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, **tensors):
         return fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, labels,

@@ -11,8 +11,8 @@ its own. This module owns
   :func:`onca.ops.fused_linear_cross_entropy.chunk_plan`);
 - :func:`head_logits` (one chunk's logits by one matmul into a reused scratch in the input dtype)
   and :func:`chunk_loop`, which runs the chunks and accumulates ``dHidden`` (per chunk, by matmul),
-  ``dWeight`` and ``dBias`` (fp32 for bf16/fp16 heads, cast once at the end) from whatever
-  gradient a visitor writes over each chunk's logits;
+  ``dWeight`` (in the weight's dtype, or fp32 cast once at the end) and ``dBias`` (fp32) from
+  whatever gradient a visitor writes over each chunk's logits;
 - two Triton kernels: the per-token statistics (online log-sum-exp over column tiles, the target's
   logit, optionally the entropy) and the gradient of ``sum_t g_lp[t] * logp[t] + g_ent[t] *
   entropy[t]`` w.r.t. the logits, written over the chunk's logits;
@@ -39,8 +39,12 @@ sequence pairs (liger-kernel's way: chunk sizes then grow with sequence length).
 pass keeps one fp32 ``lse`` (and entropy) per token and nothing of the logits; the loss itself is
 plain torch on ``(tokens,)`` and ``(sequences,)`` tensors (graph-friendly: no host syncs, any loss
 composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one extra head matmul
-per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype)
-plus the fp32 ``dWeight`` accumulator; the reference model's pass is forward only (1 matmul).
+per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype);
+the reference model's pass is forward only (1 matmul). ``dWeight`` accumulates over the chunks in
+the weight's dtype by default (liger-kernel's chunked losses do the same): an fp32 accumulator
+(``accum_dtype=torch.float32``, TRL's choice, the default of :func:`fused_linear_logprobs`) and its
+final cast hold three bytes per head element more at the backward's peak (3 GB for a bf16
+Llama-3 head).
 
 Gradient (per token, ``p = softmax(z)``, ``zbar = sum_j p_j z_j = lse - entropy``)::
 
@@ -63,6 +67,7 @@ from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._rows import as_rows
 from onca.ops._validate import (
     autocast_enabled,
+    check_accum_dtype,
     check_bool,
     check_float,
     check_index,
@@ -384,12 +389,13 @@ def _launch_grad(logits, target, lse, ent, g_lp, g_ent, ignore_index, temperatur
 def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                             ignore_index: int, temperature: float, softcap: float, logit_scale: float,
                             entropy: bool, log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool,
-                            chunk_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            chunk_tokens: int,
+                            accum_fp32: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logp, lse, entropy, log_sum_sq_probs, mean_logits, is_top1)`` per token of the 2-D
     ``hidden`` (fp32; ``is_top1`` bool; each optional one empty unless asked for), over the logits
     ``transform(hidden @ weight.T + bias)`` (``logit_scale``, soft-capping at ``softcap`` unless it
     is 0, ``temperature``). One head matmul per chunk and the statistics kernel; nothing else is
-    kept."""
+    kept. ``accum_fp32`` is the backward's (its weight gradient accumulated in fp32)."""
     tokens = hidden.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logp = torch.empty(tokens, **f32)
@@ -416,7 +422,7 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
 
 @chunked_logprob_forward.register_fake
 def _(hidden, weight, bias, target, ignore_index, temperature, softcap, logit_scale, entropy, log_sum_sq_probs,
-      mean_logits, is_top1, chunk_tokens):
+      mean_logits, is_top1, chunk_tokens, accum_fp32):
     tokens = hidden.shape[0]
     f32 = dict(dtype=torch.float32)
     return (hidden.new_empty(tokens, **f32), hidden.new_empty(tokens, **f32),
@@ -430,15 +436,18 @@ def _(hidden, weight, bias, target, ignore_index, temperature, softcap, logit_sc
 def chunked_logprob_backward(grad_logp: Tensor | None, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
                              bias: Tensor | None, target: Tensor, lse: Tensor, entropy: Tensor,
                              ignore_index: int, temperature: float, softcap: float, logit_scale: float,
-                             chunk_tokens: int, grad_hidden: bool, grad_weight: bool,
+                             chunk_tokens: int, accum_fp32: bool, grad_hidden: bool, grad_weight: bool,
                              grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` for per-token incoming gradients of ``logp`` and of the
     entropy (either may be None: no such term): each chunk's logits recomputed, their gradient
-    written over them by one kernel, then the gradient matmuls; ``dweight``/``dbias`` accumulate
-    in fp32. Empty tensors for the gradients not asked for."""
+    written over them by one kernel, then the gradient matmuls; ``dweight`` accumulates in the
+    weight's dtype (one rounding per chunk) or, with ``accum_fp32``, in fp32 (cast once at the end:
+    a head-sized fp32 buffer and its cast alive together), ``dbias`` in fp32. Empty tensors for the
+    gradients not asked for."""
     tokens, width = hidden.shape
     dx = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grad_hidden else None
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device) if grad_weight else None
+    dw_dtype = torch.float32 if accum_fp32 else weight.dtype
+    dw = torch.zeros(weight.shape, dtype=dw_dtype, device=hidden.device) if grad_weight else None
     db = torch.zeros(bias.shape, dtype=torch.float32, device=hidden.device) if grad_bias else None
     wanted = grad_hidden or grad_weight or grad_bias
     if tokens and wanted and grad_logp is None and grad_entropy is None:
@@ -447,8 +456,9 @@ def chunked_logprob_backward(grad_logp: Tensor | None, grad_entropy: Tensor | No
     elif tokens and wanted:
         g_lp = grad_logp.to(torch.float32).contiguous() if grad_logp is not None else None
         g_ent = grad_entropy.to(torch.float32).contiguous() if grad_entropy is not None else None
-        chunks = chunk_plan(tokens, width, weight.shape[0], hidden.dtype, accum_fp32=grad_weight,
-                            chunk_tokens=chunk_tokens, device=hidden.device)
+        chunks = chunk_plan(tokens, width, weight.shape[0], hidden.dtype,
+                            accum_fp32=grad_weight and dw_dtype == torch.float32, chunk_tokens=chunk_tokens,
+                            device=hidden.device)
 
         def visit(logits, start, end):
             _launch_grad(logits, target[start:end], lse[start:end],
@@ -465,7 +475,7 @@ def chunked_logprob_backward(grad_logp: Tensor | None, grad_entropy: Tensor | No
 
 @chunked_logprob_backward.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, ignore_index, temperature, softcap,
-      logit_scale, chunk_tokens, grad_hidden, grad_weight, grad_bias):
+      logit_scale, chunk_tokens, accum_fp32, grad_hidden, grad_weight, grad_bias):
     empty = hidden.new_empty(0)
     return (hidden.new_empty(hidden.shape) if grad_hidden else empty,
             weight.new_empty(weight.shape) if grad_weight else empty,
@@ -476,11 +486,11 @@ def _setup_context(ctx, inputs, output):
     """Saves the inputs and the fp32 ``lse`` (and entropy) per token. Gradients are not
     materialised: an output that takes none (the entropy, logged only) costs nothing in backward."""
     (hidden, weight, bias, target, ignore_index, temperature, softcap, logit_scale, entropy, _sq, _mean, _top1,
-     chunk_tokens) = inputs
+     chunk_tokens, accum_fp32) = inputs
     _logp, lse, ent, sq, mean, top1 = output
     ctx.mark_non_differentiable(lse, sq, mean, top1)
     ctx.set_materialize_grads(False)
-    ctx.options = (ignore_index, temperature, softcap, logit_scale, chunk_tokens)
+    ctx.options = (ignore_index, temperature, softcap, logit_scale, chunk_tokens, accum_fp32)
     ctx.entropy = entropy
     ctx.save_for_backward(hidden, weight, bias, target, lse, ent)
 
@@ -502,7 +512,7 @@ def logprob_grads(saved, options, entropy: bool, needs_input_grad, grad_logp, gr
 def _backward(ctx, grad_logp, _grad_lse, grad_ent, *_):
     dx, dw, db = logprob_grads(ctx.saved_tensors, ctx.options, ctx.entropy, ctx.needs_input_grad, grad_logp,
                                grad_ent)
-    return (dx, dw, db) + (None,) * 10
+    return (dx, dw, db) + (None,) * 11
 
 
 register_autograd(chunked_logprob_forward, _backward, setup_context=_setup_context)
@@ -566,28 +576,35 @@ def head_inputs(hidden: Tensor, *tensors):
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, *,
                      ignore_index: int = -100, temperature: float = 1.0, entropy: bool = False,
-                     chunk_tokens: int | None = None) -> tuple[Tensor, Tensor | None]:
+                     chunk_tokens: int | None = None,
+                     accum_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
     """Per-token ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` (fp32, shaped like
     ``labels``, 0 where ``labels == ignore_index``) and, with ``entropy=True``, each token's entropy
     (0 where ignored), chunked over tokens so that the logits never exist in full; differentiable
     w.r.t. ``hidden``, ``weight`` and ``bias``. See the module docstring. Under ``torch.autocast``
-    the floating inputs are cast to the autocast dtype first, as ``F.linear`` would."""
+    the floating inputs are cast to the autocast dtype first, as ``F.linear`` would. The weight
+    gradient accumulates over the chunks in the weight's dtype (one rounding per chunk, as
+    liger-kernel's chunked losses), or in fp32 with ``accum_dtype=torch.float32`` (as TRL's kernel;
+    a head-sized fp32 buffer more at the backward's peak)."""
     check_tensor(hidden, "hidden")
     check_bool(entropy, "entropy")
     check_options(ignore_index, temperature, chunk_tokens)
     (hidden, weight, bias), cast = head_inputs(hidden, weight, bias)
     validate_head(hidden, weight, labels, bias)
+    accum_fp32 = check_accum_dtype(accum_dtype, weight.dtype)
+    args = (hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens, accum_fp32)
     if cast:
         with torch.autocast(hidden.device.type, enabled=False):
-            return _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy,
-                                     chunk_tokens)
-    return _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens)
+            return _chunked_logprobs(*args)
+    return _chunked_logprobs(*args)
 
 
-def _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens):
+def _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens,
+                      accum_fp32):
     h2d = as_rows(hidden)
     logp, _lse, ent, _sq, _mean, _top1 = chunked_logprob_forward(
         h2d, weight.contiguous(), bias.contiguous() if bias is not None else None, labels.reshape(-1).contiguous(),
-        ignore_index, float(temperature), 0.0, 1.0, entropy, False, False, False, chunk_tokens or 0)
+        ignore_index, float(temperature), 0.0, 1.0, entropy, False, False, False, chunk_tokens or 0,
+        accum_fp32)
     shape = labels.shape
     return logp.view(shape), (ent.view(shape) if entropy else None)

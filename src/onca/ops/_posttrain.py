@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, validate_head
-from onca.ops._validate import check_bool, check_float, check_number, check_tensor
+from onca.ops._validate import check_accum_dtype, check_bool, check_float, check_number, check_tensor
 
 __all__ = [
     "SequenceLogps",
@@ -77,10 +77,11 @@ def check_per_sequence(t, name: str, n: int, ref: Tensor, *, floating: bool = Tr
 
 
 def policy_logps(hidden, weight, labels, bias, *, ignore_index, temperature=1.0, entropy=False,
-                 chunk_tokens=None) -> SequenceLogps:
+                 chunk_tokens=None, accum_dtype=None) -> SequenceLogps:
     """The policy's per-token log-probabilities (differentiable) through the chunk driver."""
     per_token, ent = chunked_logprobs(hidden, weight, labels, bias, ignore_index=ignore_index,
-                                      temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens)
+                                      temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens,
+                                      accum_dtype=accum_dtype)
     return SequenceLogps(per_token, labels, ignore_index, ent)
 
 
@@ -111,7 +112,8 @@ def chosen_nll(logps: SequenceLogps) -> Tensor:
     return -sums.sum() / counts.sum().clamp(min=1.0)
 
 
-def check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux, *, temperature=1.0):
+def check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux, *, temperature=1.0,
+                 accum_dtype=None):
     """Options and the policy head shared by every post-training loss; returns ``(hidden, weight,
     bias)`` cast to the autocast dtype under ``torch.autocast`` (as ``F.linear`` would)."""
     check_tensor(hidden, "hidden")
@@ -120,6 +122,7 @@ def check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, retur
     check_bool(return_aux, "return_aux")
     (hidden, weight, bias), _ = head_inputs(hidden, weight, bias)
     validate_head(hidden, weight, labels, bias)
+    check_accum_dtype(accum_dtype, weight.dtype)
     return hidden, weight, bias
 
 

@@ -46,6 +46,15 @@ def check_bool(value, name: str) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
+def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype, name: str = "accum_dtype") -> bool:
+    """Whether a weight gradient accumulated over chunks is kept in fp32: ``accum_dtype`` is None
+    (the weight's own dtype), ``torch.float32`` or the weight's dtype."""
+    if accum_dtype is not None and accum_dtype not in (torch.float32, weight_dtype):
+        raise ValueError(f"{name} must be None, torch.float32 or the weight's dtype {weight_dtype}, "
+                         f"got {accum_dtype!r}")
+    return accum_dtype == torch.float32 and weight_dtype != torch.float32
+
+
 def check_number(value, name: str, *, minimum: float | None = None) -> None:
     """``value`` is a real Python number (not a string, not a tensor), at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

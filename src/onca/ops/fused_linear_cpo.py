@@ -41,9 +41,10 @@ LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
 def cpo_loss(hidden, weight, labels, bias, *, beta, loss_type, gamma, label_smoothing, nll_weight, ignore_index,
-             chunk_tokens, return_aux):
+             chunk_tokens, return_aux, accum_dtype=None):
     """The shared body of CPO and SimPO (inputs already checked)."""
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                         accum_dtype=accum_dtype)
     average = loss_type in ("ipo", "simpo")
     pi_c, pi_r = split_pairs(logps.means if average else logps.sums)
     x = pi_c - pi_r
@@ -91,6 +92,7 @@ def fused_linear_cpo(
     nll_weight: float = 1.0,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     return_aux: bool = False,
 ):
     """CPO loss (TRL's ``CPOTrainer``: ``sigmoid``, ``hinge``, ``ipo``, ``simpo`` with margin
@@ -99,8 +101,11 @@ def fused_linear_cpo(
     module docstring). Returns the fp32 scalar loss; ``return_aux=True`` returns ``(loss, aux)``
     with the detached per-pair ``chosen_logps``, ``rejected_logps`` (means for ``ipo``/``simpo``),
     ``chosen_rewards``, ``rejected_rewards`` (``beta * logps``), ``reward_accuracies``,
-    ``reward_margins`` and the scalar ``nll_loss``."""
-    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux)
+    ``reward_margins`` and the scalar ``nll_loss``.
+    ``accum_dtype``: the weight gradient's accumulator over the chunks (None: the weight's dtype,
+    one rounding per chunk, as liger-kernel; ``torch.float32``: fp32, a head-sized buffer more)."""
+    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux,
+                                        accum_dtype=accum_dtype)
     check_paired(hidden, labels)
     check_choice(loss_type, "loss_type", LOSS_TYPES)
     check_beta(beta)
@@ -109,4 +114,4 @@ def fused_linear_cpo(
     check_number(nll_weight, "nll_weight", minimum=0.0)
     return cpo_loss(hidden, weight, labels, bias, beta=float(beta), loss_type=loss_type, gamma=float(simpo_gamma),
                     label_smoothing=float(label_smoothing), nll_weight=float(nll_weight), ignore_index=ignore_index,
-                    chunk_tokens=chunk_tokens, return_aux=return_aux)
+                    chunk_tokens=chunk_tokens, return_aux=return_aux, accum_dtype=accum_dtype)

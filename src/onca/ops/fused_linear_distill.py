@@ -35,9 +35,17 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator, free_memory
 from onca.ops._chunked_head import check_options, chunk_loop, head_logits, validate_head
-from onca.ops._contract import custom_op, register_autograd
-from onca.ops._validate import autocast_enabled, check_bool, check_float, check_number, check_same_device, check_tensor
-from onca.ops.cross_entropy import cross_entropy_rows
+from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._validate import (
+    autocast_enabled,
+    check_accum_dtype,
+    check_bool,
+    check_float,
+    check_number,
+    check_same_device,
+    check_tensor,
+)
+from onca.ops.cross_entropy import ForwardGradients, cross_entropy_rows, scale_forward_gradient
 from onca.ops.jsd import jsd_rows, plan_divergence
 from onca.tiling import ChunkPlan, plan_token_chunks
 
@@ -89,10 +97,11 @@ def fused_linear_distill_forward(
     student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None, teacher_hidden: Tensor,
     teacher_weight: Tensor, teacher_bias: Tensor | None, labels: Tensor | None, divergence: str, beta: float,
     temperature: float, ignore_index: int, weight_hard_loss: float, weight_soft_loss: float, chunk_tokens: int,
-    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+    accum_fp32: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, soft_loss, hard_loss, dhidden, dweight, dbias)``: fp32 scalars and the student's
-    gradients for a unit incoming gradient (empty where not asked for)."""
+    gradients for a unit incoming gradient (empty where not asked for); ``dweight`` accumulated
+    over the chunks in the weight's dtype, or in fp32 with ``accum_fp32``."""
     sh, sw, sb, th, tw, tb = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
                               teacher_bias)
     tokens, width = sh.shape
@@ -109,7 +118,8 @@ def fused_linear_distill_forward(
     hard_rows = torch.zeros(tokens, dtype=torch.float32, device=device)
     with_grad = grad_hidden or grad_weight or grad_bias
     dx = torch.empty((tokens, width), dtype=sh.dtype, device=device) if grad_hidden else None
-    dw = torch.zeros(sw.shape, dtype=torch.float32, device=device) if grad_weight else None
+    dw_dtype = torch.float32 if accum_fp32 else sw.dtype
+    dw = torch.zeros(sw.shape, dtype=dw_dtype, device=device) if grad_weight else None
     db = torch.zeros(sb.shape, dtype=torch.float32, device=device) if grad_bias else None
     hard = weight_hard_loss != 0.0
     if tokens:
@@ -156,8 +166,8 @@ def fused_linear_distill_forward(
 
 @fused_linear_distill_forward.register_fake
 def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, labels,
-      divergence, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, chunk_tokens, grad_hidden,
-      grad_weight, grad_bias):
+      divergence, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, chunk_tokens,
+      accum_fp32, grad_hidden, grad_weight, grad_bias):
     sh, sw, sb = student_hidden, student_weight, student_bias
     scalar = lambda: sh.new_empty((), dtype=torch.float32)
     empty = sh.new_empty(0)
@@ -166,18 +176,29 @@ def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weig
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves the gradients the forward op computed, and nothing else."""
+    """Keeps the gradients the forward op computed, and nothing else: on the eager route they are
+    rescaled in place by the incoming gradient (no head-sized copy at the backward's peak), traced
+    into new tensors."""
     ctx.computed = inputs[-3:]
-    _loss, _soft, _hard, dx, dw, db = output
+    loss, _soft, _hard, dx, dw, db = output
     ctx.mark_non_differentiable(_soft, _hard, dx, dw, db)
-    ctx.save_for_backward(dx, dw, db)
+    ctx.eager = not tracing(inputs[0], loss)
+    if ctx.eager:
+        computed = [g if wanted else None for g, wanted in zip((dx, dw, db), ctx.computed)]
+        ctx.grads = ForwardGradients(computed, loss)
+    else:
+        ctx.save_for_backward(dx, dw, db)
 
 
 def _backward(ctx, grad, *_):
-    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-    grads = [g * grad.to(g.dtype) if computed and need else None
-             for g, computed, need in zip(ctx.saved_tensors, ctx.computed, needs)]
-    return (*grads, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
+    needs = ctx.needs_input_grad[:3]
+    if ctx.eager:
+        grads = ctx.grads.take(grad)
+    else:
+        grads = [scale_forward_gradient(g, grad, None, False) if computed else None
+                 for g, computed in zip(ctx.saved_tensors, ctx.computed)]
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return (*grads,) + (None,) * 15
 
 
 register_autograd(fused_linear_distill_forward, _backward, setup_context=_setup_context)
@@ -199,6 +220,7 @@ def fused_linear_distill(
     weight_soft_loss: float = 1.0,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     return_aux: bool = False,
 ):
     """Distillation loss ``weight_soft_loss * mean(divergence) + weight_hard_loss * mean(CE)``
@@ -208,7 +230,9 @@ def fused_linear_distill(
     with ``beta``, ``cosine``). Returns the fp32 scalar loss; ``return_aux=True`` returns ``(loss,
     aux)`` with the scalar ``soft_loss`` and ``hard_loss`` (means, before their weights). Gradients
     reach the student only. Under ``torch.autocast`` the four heads' inputs are cast to the
-    autocast dtype first."""
+    autocast dtype first. ``accum_dtype``: the student weight gradient's accumulator over the
+    chunks (None: the weight's dtype, one rounding per chunk, as liger-kernel; ``torch.float32``:
+    fp32, a head-sized buffer more)."""
     for t, name in ((student_hidden, "student_hidden"), (student_weight, "student_weight"),
                     (teacher_hidden, "teacher_hidden"), (teacher_weight, "teacher_weight")):
         check_tensor(t, name)
@@ -228,13 +252,13 @@ def fused_linear_distill(
         tensors = tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
         with torch.autocast(device_type, enabled=False):
             return _distill(*tensors, labels, divergence, beta, temperature, weight_hard_loss, weight_soft_loss,
-                            ignore_index, chunk_tokens, return_aux)
+                            ignore_index, chunk_tokens, accum_dtype, return_aux)
     return _distill(*tensors, labels, divergence, beta, temperature, weight_hard_loss, weight_soft_loss,
-                    ignore_index, chunk_tokens, return_aux)
+                    ignore_index, chunk_tokens, accum_dtype, return_aux)
 
 
 def _distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature, weight_hard_loss, weight_soft_loss,
-             ignore_index, chunk_tokens, return_aux):
+             ignore_index, chunk_tokens, accum_dtype, return_aux):
     lead = tuple(sh.shape[:-1])
     if labels is None:
         if weight_hard_loss:
@@ -256,13 +280,14 @@ def _distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature, weig
         raise ValueError(f"teacher_hidden must have the student's tokens {lead}, got shape {tuple(th.shape)}")
     check_same_device(th, "teacher_hidden", sh, "student_hidden")
     check_float(th, "teacher_hidden")
+    accum_fp32 = check_accum_dtype(accum_dtype, sw.dtype)
     grad_enabled = torch.is_grad_enabled()
     rows = lambda t: t.reshape(-1, t.shape[-1]).contiguous()
     loss, soft, hard, *_ = fused_linear_distill_forward(
         rows(sh), sw.contiguous(), sb.contiguous() if sb is not None else None, rows(th).detach(),
         tw.detach().contiguous(), tb.detach().contiguous() if tb is not None else None,
         labels.reshape(-1).contiguous() if labels is not None else None, divergence, float(beta), float(temperature),
-        ignore_index, float(weight_hard_loss), float(weight_soft_loss), chunk_tokens or 0,
+        ignore_index, float(weight_hard_loss), float(weight_soft_loss), chunk_tokens or 0, accum_fp32,
         grad_enabled and sh.requires_grad, grad_enabled and sw.requires_grad,
         grad_enabled and sb is not None and sb.requires_grad)
     if not return_aux:

@@ -119,6 +119,7 @@ def fused_linear_dpo(
     nll_weight: float = 0.0,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     return_aux: bool = False,
 ):
     """DPO loss of the policy ``hidden (2B, T, H)`` / ``weight (V, H)`` (+ ``bias``) against a
@@ -131,8 +132,11 @@ def fused_linear_dpo(
     ``rejected_logps``, ``ref_chosen_logps``, ``ref_rejected_logps``, ``chosen_rewards``,
     ``rejected_rewards`` (``beta * (pi - ref)``), ``reward_accuracies``, ``reward_margins`` and the
     scalar ``nll_loss``: what TRL logs. ``chunk_tokens`` overrides the planned tokens per chunk.
-    Under ``torch.autocast`` the heads' inputs are cast to the autocast dtype first."""
-    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux)
+    Under ``torch.autocast`` the heads' inputs are cast to the autocast dtype first.
+    ``accum_dtype``: the weight gradient's accumulator over the chunks (None: the weight's dtype,
+    one rounding per chunk, as liger-kernel; ``torch.float32``: fp32, a head-sized buffer more)."""
+    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux,
+                                        accum_dtype=accum_dtype)
     b = check_paired(hidden, labels)
     check_choice(loss_type, "loss_type", LOSS_TYPES)
     check_beta(beta)
@@ -158,7 +162,8 @@ def fused_linear_dpo(
                               chunk_tokens=chunk_tokens)
         ref_c, ref_r = split_pairs(ref.sums)
 
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                         accum_dtype=accum_dtype)
     pi_c, pi_r = split_pairs(logps.sums)
     n_c, n_r = (n.clamp(min=1.0) for n in split_pairs(logps.counts))
     chosen_lr, rejected_lr = pi_c - ref_c, pi_r - ref_r

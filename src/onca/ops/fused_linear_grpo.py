@@ -73,6 +73,7 @@ def fused_linear_grpo(
     temperature: float = 1.0,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     return_aux: bool = False,
 ):
     """GRPO loss of the policy ``hidden (B, T, H)`` / ``weight (V, H)`` (+ ``bias``) over sampled
@@ -81,9 +82,11 @@ def fused_linear_grpo(
     Returns the fp32 scalar loss; ``return_aux=True`` returns ``(loss, aux)`` with the detached
     per-token ``logps`` and ``entropy``, and the scalars TRL logs: ``kl`` (mean per-token KL over
     completion tokens, when ``beta != 0``), ``clip_ratio_low``, ``clip_ratio_high`` and
-    ``clip_ratio_region``."""
+    ``clip_ratio_region``.
+    ``accum_dtype``: the weight gradient's accumulator over the chunks (None: the weight's dtype,
+    one rounding per chunk, as liger-kernel; ``torch.float32``: fp32, a head-sized buffer more)."""
     hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux,
-                                        temperature=temperature)
+                                        temperature=temperature, accum_dtype=accum_dtype)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be (batch, tokens, hidden), got shape {tuple(hidden.shape)}")
     b, t = labels.shape
@@ -112,7 +115,7 @@ def fused_linear_grpo(
         raise ValueError(f"max_completion_length must be None or a positive int, got {max_completion_length!r}")
 
     logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
-                         entropy=return_aux, chunk_tokens=chunk_tokens)
+                         entropy=return_aux, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
     logp, mask = logps.per_token, logps.mask.to(torch.float32)
     old = logp.detach() if old is None else old
     log_ratio = logp - old

@@ -83,6 +83,7 @@ def fused_linear_kto(
     loss_type: str = "kto",
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     return_aux: bool = False,
 ):
     """KTO loss of the policy ``hidden (B, T, H)`` / ``weight (V, H)`` (+ ``bias``) with one
@@ -91,8 +92,11 @@ def fused_linear_kto(
     the KL estimate as ``kl`` or from ``kl_hidden``/``ref_kl_hidden``/``kl_labels`` (see the
     module docstring), without the logits. Returns the fp32 scalar loss; ``return_aux=True``
     returns ``(loss, aux)`` with the detached per-sequence ``logps``, ``ref_logps``, ``rewards``
-    (``beta * (pi - ref)``), the ``desirable`` flags and the ``kl`` used."""
-    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux)
+    (``beta * (pi - ref)``), the ``desirable`` flags and the ``kl`` used.
+    ``accum_dtype``: the weight gradient's accumulator over the chunks (None: the weight's dtype,
+    one rounding per chunk, as liger-kernel; ``torch.float32``: fp32, a head-sized buffer more)."""
+    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux,
+                                        accum_dtype=accum_dtype)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be (batch, tokens, hidden), got shape {tuple(hidden.shape)}")
     n = hidden.shape[0]
@@ -118,7 +122,8 @@ def fused_linear_kto(
                                    chunk_tokens=chunk_tokens).sums
     kl_value = _kl_estimate(kl, kl_hidden, ref_kl_hidden, kl_labels, weight, bias, ref_weight, ref_bias,
                             ignore_index, chunk_tokens, hidden)
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                         accum_dtype=accum_dtype)
     lr = logps.sums - ref_sums
     if loss_type == "kto":
         losses = torch.where(desirable, 1 - torch.sigmoid(beta * (lr - kl_value)),

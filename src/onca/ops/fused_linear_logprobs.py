@@ -42,7 +42,7 @@ from onca.ops._chunked_head import (
     validate_head,
 )
 from onca.ops._rows import as_rows
-from onca.ops._validate import check_number, check_tensor
+from onca.ops._validate import check_accum_dtype, check_number, check_tensor
 from onca.tiling import ChunkPlan, RowPlan, plan_rows
 
 __all__ = ["OPTIONAL_OUTPUTS", "LogProbOutput", "fused_linear_logprobs", "plan"]
@@ -88,7 +88,8 @@ def _check_outputs(outputs) -> tuple[str, ...]:
 def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, *,
                           temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
                           outputs=("entropy",), ignore_index: int = -100,
-                          chunk_tokens: int | None = None) -> LogProbOutput:
+                          chunk_tokens: int | None = None,
+                          accum_dtype: torch.dtype | None = torch.float32) -> LogProbOutput:
     """Per-token log-probabilities of ``labels`` under the head ``hidden @ weight.T + bias``, and the
     optional statistics named in ``outputs``, without materialising the logits.
 
@@ -105,6 +106,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
         outputs: any of ``"entropy"``, ``"log_sum_sq_probs"``, ``"mean_logits"``, ``"is_top1"``
             (``"log_probs"`` is accepted and always computed).
         chunk_tokens: tokens per chunk (default: planned from the free device memory).
+        accum_dtype: the weight gradient's accumulator over the chunks: fp32 by default, as TRL's
+            kernel; None (the weight's dtype, one rounding per chunk) saves a head-sized fp32
+            buffer and its cast at the backward's peak.
 
     Returns:
         :class:`LogProbOutput` ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``:
@@ -128,7 +132,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
     (hidden, weight, bias), cast = head_inputs(hidden, weight, bias)
     validate_head(hidden, weight, labels, bias)
     args = (hidden, weight, labels, bias, ignore_index, float(temperature), float(softcap or 0.0),
-            float(logit_scale), outputs, chunk_tokens)
+            float(logit_scale), outputs, chunk_tokens, check_accum_dtype(accum_dtype, weight.dtype))
     if cast:
         with torch.autocast(hidden.device.type, enabled=False):
             return _fused_linear_logprobs(*args)
@@ -136,12 +140,12 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
 
 
 def _fused_linear_logprobs(hidden, weight, labels, bias, ignore_index, temperature, softcap, logit_scale, outputs,
-                           chunk_tokens) -> LogProbOutput:
+                           chunk_tokens, accum_fp32) -> LogProbOutput:
     wanted = [name in outputs for name in OPTIONAL_OUTPUTS]
     results = chunked_logprob_forward(
         as_rows(hidden), weight.contiguous(), bias.contiguous() if bias is not None else None,
         labels.reshape(-1).contiguous(), ignore_index, temperature, softcap, logit_scale, *wanted,
-        chunk_tokens or 0)
+        chunk_tokens or 0, accum_fp32)
     logp, _lse, *extras = results
     shape = labels.shape
     return LogProbOutput(logp.view(shape), *(t.view(shape) if want else None for t, want in zip(extras, wanted)))

@@ -42,6 +42,7 @@ def fused_linear_orpo(
     nll_weight: float = 1.0,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     return_aux: bool = False,
 ):
     """ORPO loss ``nll_weight * NLL(chosen) - beta * mean(logsigmoid(log_odds))`` of the policy
@@ -50,12 +51,16 @@ def fused_linear_orpo(
     detached per-pair mean ``chosen_logps``/``rejected_logps``, ``chosen_rewards``/
     ``rejected_rewards`` (``beta * avg``), ``reward_accuracies``, ``reward_margins``, the scalar
     ``nll_loss``, ``log_odds_ratio`` (``mean(logsigmoid(log_odds))``) and ``log_odds_chosen``
-    (``mean(log_odds)``), as TRL logs them."""
-    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux)
+    (``mean(log_odds)``), as TRL logs them.
+    ``accum_dtype``: the weight gradient's accumulator over the chunks (None: the weight's dtype,
+    one rounding per chunk, as liger-kernel; ``torch.float32``: fp32, a head-sized buffer more)."""
+    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux,
+                                        accum_dtype=accum_dtype)
     check_paired(hidden, labels)
     check_beta(beta)
     check_number(nll_weight, "nll_weight", minimum=0.0)
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                         accum_dtype=accum_dtype)
     avg_c, avg_r = split_pairs(logps.means)
     n_c, n_r = split_pairs(logps.counts)
     present = (n_c > 0) & (n_r > 0)

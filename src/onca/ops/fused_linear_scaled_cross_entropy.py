@@ -17,6 +17,7 @@ heads).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, plan, validate_head
@@ -35,6 +36,7 @@ def fused_linear_scaled_cross_entropy(
     return_entropy: bool = False,
     bias: Tensor | None = None,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
 ):
     """Per-token ``-log_softmax((hidden @ weight.T + bias) / temperature)[target]`` without
     materialising the logits; with ``return_entropy=True`` also each token's entropy of that softmax.
@@ -49,7 +51,9 @@ def fused_linear_scaled_cross_entropy(
     ``weight`` and ``bias``. A target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN
     NLL (checked on the device, without a host synchronisation). ``temperature`` must be a finite
     number > 0; ``chunk_tokens`` overrides the tokens per chunk (planned from the free device memory
-    by default). Under ``torch.autocast`` the head's inputs are cast to the autocast dtype first, as
+    by default); ``accum_dtype`` the weight gradient's accumulator over the chunks (None: the
+    weight's dtype, one rounding per chunk; ``torch.float32``: fp32, a head-sized buffer more).
+    Under ``torch.autocast`` the head's inputs are cast to the autocast dtype first, as
     ``F.linear`` would.
     """
     check_tensor(hidden, "hidden")
@@ -61,7 +65,7 @@ def fused_linear_scaled_cross_entropy(
     validate_head(head_hidden, head_weight, target, head_bias, labels_name="target")
     logp, entropy = chunked_logprobs(head_hidden, head_weight, target, head_bias, ignore_index=ignore_index,
                                      temperature=temperature, entropy=return_entropy,
-                                     chunk_tokens=chunk_tokens)
+                                     chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
     nll = logp.neg()
     if not return_entropy:
         return nll

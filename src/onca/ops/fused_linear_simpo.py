@@ -14,6 +14,7 @@ log-probabilities come from the chunk driver (:mod:`onca.ops._chunked_head`).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from onca.ops._chunked_head import plan
@@ -36,6 +37,7 @@ def fused_linear_simpo(
     nll_weight: float = 0.0,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    accum_dtype: torch.dtype | None = None,
     return_aux: bool = False,
 ):
     """SimPO loss ``mean(-logsigmoid(beta * (avg_c - avg_r) - gamma))`` (+ label smoothing and
@@ -43,8 +45,11 @@ def fused_linear_simpo(
     (V, H)`` (+ ``bias``), no reference model, without the logits (see the module docstring).
     Returns the fp32 scalar loss; ``return_aux=True`` returns ``(loss, aux)`` with the detached
     per-pair mean ``chosen_logps``/``rejected_logps``, ``chosen_rewards``/``rejected_rewards``
-    (``beta * avg``), ``reward_accuracies``, ``reward_margins`` and the scalar ``nll_loss``."""
-    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux)
+    (``beta * avg``), ``reward_accuracies``, ``reward_margins`` and the scalar ``nll_loss``.
+    ``accum_dtype``: the weight gradient's accumulator over the chunks (None: the weight's dtype,
+    one rounding per chunk, as liger-kernel; ``torch.float32``: fp32, a head-sized buffer more)."""
+    hidden, weight, bias = check_common(hidden, weight, labels, bias, ignore_index, chunk_tokens, return_aux,
+                                        accum_dtype=accum_dtype)
     check_paired(hidden, labels)
     check_beta(beta)
     check_number(gamma, "gamma")
@@ -52,4 +57,4 @@ def fused_linear_simpo(
     check_number(nll_weight, "nll_weight", minimum=0.0)
     return cpo_loss(hidden, weight, labels, bias, beta=float(beta), loss_type="simpo", gamma=float(gamma),
                     label_smoothing=float(label_smoothing), nll_weight=float(nll_weight), ignore_index=ignore_index,
-                    chunk_tokens=chunk_tokens, return_aux=return_aux)
+                    chunk_tokens=chunk_tokens, return_aux=return_aux, accum_dtype=accum_dtype)
