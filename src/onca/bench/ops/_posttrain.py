@@ -57,8 +57,10 @@ def memory(uses_ref: bool):
         inputs = (2 if uses_ref else 1) * (tokens * h + v * h) * b
         grads = (tokens * h + v * h) * b
         if provider == "onca":
-            chunk = min(tokens, 1024)
-            extra = grads + 4 * v * h + 2 * chunk * v * b + 8 * tokens * 4
+            # dW accumulates in the weight's dtype (the grads above); 512-token chunks of logits
+            # (twice that for fp32 inputs, whose dW is fp32 anyway) and per-token statistics.
+            chunk = min(tokens, 512 if b < 4 else 1024)
+            extra = grads + 2 * chunk * v * b + 8 * tokens * 4
         elif provider == "liger":
             extra = grads + 4 * v * h + 8 * 2 * t * v * 4  # chunks of one pair of sequences, fp32 temporaries
         else:  # logits in the dtype, fp32 copies, log-softmax and its gradient
