@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     for op in ops:
         try:
             launches, onca_us, torch_us = measure(op)
-        except Exception as exc:  # one op's failure does not hide the others
+        except Exception as exc:  # noqa: BLE001 (one op's failure does not hide the others)
             print(f"{op:36s} failed: {type(exc).__name__}: {str(exc)[:120]}")
             continue
         print(f"{op:36s} {launches:8d} {onca_us:9.1f} {torch_us:9.1f}", flush=True)

@@ -57,7 +57,7 @@ def compare(op: str, device: str) -> str:
     for name, factory in (("onca", bench.onca), ("liger", bench.liger)):
         try:
             runs[name] = _run(bench, factory, params, device)
-        except Exception as exc:  # reported per op; the others still run
+        except Exception as exc:  # noqa: BLE001 (reported per op; the others still run)
             return f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:140] if str(exc) else ''}"
     (onca_out, onca_grads), (liger_out, liger_grads) = runs["onca"], runs["liger"]
     if len(onca_out) != len(liger_out):

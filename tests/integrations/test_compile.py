@@ -116,7 +116,7 @@ def test_patched_family_compiles_fullgraph(model_type, device):
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.skipif(SCALE != "gpu", reason="inductor training runs at GPU scale")
@@ -208,4 +208,4 @@ def test_patched_multimodal_family_adds_no_graph_break(model_type, device, monke
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

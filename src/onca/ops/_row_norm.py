@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from onca.ops._partials import partial_buffer, sum_partials
 from onca.device import DeviceProfile
+from onca.ops._partials import partial_buffer, sum_partials
 from onca.ops._rows import rows_cols
 from onca.tiling import RowPlan, plan_rows
 
