@@ -60,6 +60,17 @@ def test_matches_hugging_face_experts(device, family):
         assert_close(p.grad, theirs_by_name[name].grad, torch.float32, f"d_{name}")
 
 
+def test_gpt_oss_config_without_swiglu_alpha():
+    """transformers before 5.2x keeps GPT-OSS's alpha in the experts (1.702), not in the config."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(model_type="gpt_oss", num_local_experts=4, intermediate_size=8, hidden_size=16)
+    experts = MoEExperts.from_config(config)
+    assert (experts.alpha, experts.limit, experts.layout) == (1.702, 7.0, "gpt_oss")
+    config.swiglu_alpha, config.swiglu_limit = 1.5, 6.0
+    assert (MoEExperts.from_config(config).alpha, MoEExperts.from_config(config).limit) == (1.5, 6.0)
+
+
 def test_bad_construction():
     with pytest.raises(ValueError, match="layout must be one of"):
         MoEExperts(4, 8, 8, layout="switch")

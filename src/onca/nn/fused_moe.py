@@ -17,6 +17,10 @@ from onca.ops.fused_moe import ACTIVATIONS, LAYOUTS, fused_moe
 __all__ = ["MoEExperts"]
 
 
+# GPT-OSS's clamped SwiGLU: the sigmoid's scale and the clamp, as its released configs set them.
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
 class MoEExperts(nn.Module):
     """``num_experts`` gated MLP experts of ``hidden_size -> intermediate_size -> hidden_size``.
 
@@ -28,8 +32,8 @@ class MoEExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, layout: str = "mixtral",
-                 activation: str | None = None, bias: bool | None = None, alpha: float = 1.702,
-                 limit: float = 7.0, device=None, dtype=None):
+                 activation: str | None = None, bias: bool | None = None, alpha: float = GPT_OSS_ALPHA,
+                 limit: float = GPT_OSS_LIMIT, device=None, dtype=None):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -63,7 +67,9 @@ class MoEExperts(nn.Module):
         gpt_oss = getattr(config, "model_type", "") == "gpt_oss"
         num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts")
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        extra = dict(alpha=config.swiglu_alpha, limit=config.swiglu_limit) if gpt_oss else {}
+        # transformers before 5.2x has no swiglu_alpha in the config: its experts hard-code 1.702.
+        extra = dict(alpha=getattr(config, "swiglu_alpha", GPT_OSS_ALPHA),
+                     limit=getattr(config, "swiglu_limit", GPT_OSS_LIMIT)) if gpt_oss else {}
         return cls(num_experts, config.hidden_size, inter, layout="gpt_oss" if gpt_oss else "mixtral",
                    **extra, **kw)
 
