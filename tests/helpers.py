@@ -123,3 +123,20 @@ def bf16_rounding_as_on_gpu():
         yield
     finally:
         interpreter.InterpreterBuilder.cast_impl = truncating
+
+
+def zero_fills_during(fn, min_bytes: int) -> list[tuple[str, int]]:
+    """``(op, bytes)`` of every ``aten::zeros``/``zeros_like``/``new_zeros`` of at least
+    ``min_bytes`` that ``fn()`` allocates (the profiler's memory events, CPU or GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    names = ("aten::zeros", "aten::zeros_like", "aten::new_zeros")
+    found = []
+    for e in prof.events():
+        size = max(e.cpu_memory_usage or 0, getattr(e, "device_memory_usage", 0) or 0)
+        if e.name in names and size >= min_bytes:
+            found.append((e.name, size))
+    return found

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from onca.ops.fused_linear_distill import DIVERGENCES, fused_linear_distill
 from tests.contract import assert_op_contract
-from tests.helpers import assert_close, leaf, randn, rounded
+from tests.helpers import assert_close, leaf, randn, rounded, zero_fills_during
 from tests.ops.posttrain_reference import IGNORE
 
 SHAPE = (37, 16, 12, 301)  # tokens, student hidden, teacher hidden, vocab
@@ -123,6 +123,16 @@ def test_forward_gradients_become_the_grads_without_a_copy(device, accum_dtype):
     sh2, sw2 = leaf(sh.detach()), leaf(sw.detach())
     fused_linear_distill(sh2, sw2, th, tw, chunk_tokens=8, accum_dtype=accum_dtype).backward()
     assert_close(sw.grad, 2 * sw2.grad, torch.bfloat16, "dstudent_weight x2")
+
+
+def test_backward_fills_no_zeros_for_the_returned_gradients(device):
+    """The student's gradients are forward outputs taking no gradient: no zero fill of their size
+    in backward (a head-sized buffer)."""
+    n, hs, ht, v = SHAPE
+    sh, sw = leaf(randn(n, hs, device=device)), leaf(randn(v, hs, device=device, std=0.3))
+    th, tw = randn(n, ht, device=device), randn(v, ht, device=device)
+    loss = fused_linear_distill(sh, sw, th, tw, chunk_tokens=8)
+    assert zero_fills_during(loss.backward, sh.numel() * sh.element_size()) == []
 
 
 def test_bad_accum_dtype(device):

@@ -9,7 +9,7 @@ import torch
 from onca.ops import fused_linear_jsd as op
 from onca.ops.fused_linear_jsd import fused_linear_jsd
 from tests.contract import assert_op_contract
-from tests.helpers import SCALE, assert_close, leaf, randn
+from tests.helpers import SCALE, assert_close, leaf, randn, zero_fills_during
 from tests.ops.test_jsd import IGNORE, divergence_per_token, reduce_tokens
 
 # (tokens, student hidden, teacher hidden, vocab); vocabularies scaled down on the CPU.
@@ -100,6 +100,15 @@ def test_chunking_does_not_change_the_result(device, chunk_tokens):
         assert_close(a, b, torch.float32)
     again = check(*inputs)
     assert all(torch.equal(a, b) for a, b in zip(many, again)), "chunked dW must be deterministic"
+
+
+def test_backward_fills_no_zeros_for_the_returned_gradients(device):
+    """dW and dX come out of the forward op as outputs taking no gradient: no zero fill of their
+    size in backward (a head-sized buffer)."""
+    sh, sw, th, tw, labels = make_inputs(48, 32, 40, 1000, torch.float32, device, ignore_every=7)
+    sh, sw = leaf(sh), leaf(sw)
+    loss = fused_linear_jsd(sh, sw, th, tw, labels)
+    assert zero_fills_during(loss.backward, sh.numel() * sh.element_size()) == []
 
 
 def test_three_dimensional_inputs_and_sum(device):

@@ -489,7 +489,6 @@ def _setup_context(ctx, inputs, output):
      chunk_tokens, accum_fp32) = inputs
     _logp, lse, ent, sq, mean, top1 = output
     ctx.mark_non_differentiable(lse, sq, mean, top1)
-    ctx.set_materialize_grads(False)
     ctx.options = (ignore_index, temperature, softcap, logit_scale, chunk_tokens, accum_fp32)
     ctx.entropy = entropy
     ctx.save_for_backward(hidden, weight, bias, target, lse, ent)

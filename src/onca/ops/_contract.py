@@ -88,20 +88,31 @@ def custom_op(name: str, *, mutates_args=()):
     return wrap
 
 
-def register_autograd(op: Op, backward, *, setup_context) -> None:
+def register_autograd(op: Op, backward, *, setup_context, materialize_grads: bool = False) -> None:
     """Register ``backward``/``setup_context`` for ``op`` on both routes.
 
     ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)`` follow
     ``torch.library.register_autograd``; ``backward`` calls the op's backward :class:`Op`, which
     picks its own route, so the compiled graph records it as a custom op too.
+
+    An output that received no gradient reaches ``backward`` as None, not as zeros: autograd would
+    otherwise allocate and fill a zero tensor for every output nothing used, the non-differentiable
+    ones included (a head-sized one for the weight gradient fused linear cross entropy returns, a
+    logits-sized one for cross entropy's, one fill launch per statistic for the norms).
+    ``materialize_grads=True`` is for a backward that needs every output's gradient as a tensor.
     """
-    op.registered.register_autograd(backward, setup_context=setup_context)
+
+    def setup(ctx, inputs, output):
+        ctx.set_materialize_grads(materialize_grads)
+        setup_context(ctx, inputs, output)
+
+    op.registered.register_autograd(backward, setup_context=setup)
 
     # Old-style forward(ctx, *args) on purpose: a Function with its own setup_context binds its
     # arguments through inspect.signature on every call, tens of microseconds per call.
     def forward(ctx, *args):
         output = op.fn(*args)
-        setup_context(ctx, args, output)
+        setup(ctx, args, output)
         return output
 
     op._function = type(

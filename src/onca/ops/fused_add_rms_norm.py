@@ -89,8 +89,6 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(h, weight, rstd)
     ctx.offset, ctx.casting, ctx.overwrite_grad_output = offset, casting, overwrite_grad_output
-    # An output that takes no gradient arrives as None rather than as materialised zeros.
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dres, _drstd):

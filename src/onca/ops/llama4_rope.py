@@ -85,7 +85,6 @@ def _(dq_embed, dk_embed, freqs_cis, q_dtype, k_dtype, overwrite_grad_output):
 def _setup_context(ctx, inputs, output):
     q, k, freqs_cis, overwrite_grad_output = inputs
     ctx.save_for_backward(freqs_cis)
-    ctx.set_materialize_grads(False)
     ctx.q_dtype, ctx.k_dtype, ctx.overwrite_grad_output = q.dtype, k.dtype, overwrite_grad_output
 
 

@@ -407,7 +407,8 @@ def _coeffs_backward(ctx, d_pre, d_post, d_res):
             None)
 
 
-register_autograd(mhc_coeffs_forward, _coeffs_backward, setup_context=_coeffs_setup)
+# The coefficients' backward kernel takes all three gradients (each a few numbers per token).
+register_autograd(mhc_coeffs_forward, _coeffs_backward, setup_context=_coeffs_setup, materialize_grads=True)
 
 
 # ------------------------------------------------------------------------------------------ public

@@ -90,7 +90,6 @@ def _(dq_embed, dk_embed, cos, sin, section_t, section_h, section_w, interleaved
 def _setup_context(ctx, inputs, output):
     q, k, cos, sin, st, sh, sw, interleaved, heads_first, overwrite_grad_output = inputs
     ctx.save_for_backward(cos, sin)
-    ctx.set_materialize_grads(False)
     ctx.sections, ctx.interleaved = (st, sh, sw), interleaved
     ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
     ctx.heads_first, ctx.overwrite_grad_output = heads_first, overwrite_grad_output

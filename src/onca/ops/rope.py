@@ -469,8 +469,6 @@ def _(dq_embed, dk_embed, cos, sin, q_dtype, k_dtype, heads_first, overwrite_gra
 def _setup_context(ctx, inputs, output):
     q, k, cos, sin, heads_first, overwrite_grad_output = inputs
     ctx.save_for_backward(cos, sin)
-    # An unused output gets no gradient, and then neither does its input (as in eager PyTorch).
-    ctx.set_materialize_grads(False)
     ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
     ctx.heads_first, ctx.overwrite_grad_output = heads_first, overwrite_grad_output
 
