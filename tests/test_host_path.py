@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from onca.bench import harness
-from tools.host_path import measure
+from tools.host_path import HOST_SYNC, measure
 
 LAUNCHES = {
     "attn_res": 2, "cross_entropy": 4, "dyt": 2, "embedding": 2, "fused_add_rms_norm": 2,
@@ -27,7 +27,16 @@ def test_every_benchmarked_op_has_a_launch_count():
     assert sorted(LAUNCHES) == harness.list_ops()
 
 
+# Ops whose forward + backward is their Triton kernels alone: no torch kernel beside them (before
+# the op contract stopped autograd's zero fills, every norm launched one per statistic it returns).
+KERNELS_ONLY = ("fused_add_rms_norm", "geglu", "group_norm", "layer_norm", "neighborhood_attention", "relu_squared",
+                "rms_norm", "softmax", "sparsemax", "swiglu")
+
+
 @pytest.mark.parametrize("op", sorted(LAUNCHES))
 def test_launches_per_step(op):
-    launches = measure(op, timed=False)[0]
+    launches, kernels = measure(op, timed=False)[:2]
     assert launches == LAUNCHES[op], f"{op}: {launches} launches per forward + backward, the table says {LAUNCHES[op]}"
+    assert HOST_SYNC not in kernels, f"{op} reads a device value on the host"
+    if op in KERNELS_ONLY:
+        assert kernels == [], f"{op} launches torch kernels beside its own: {kernels}"

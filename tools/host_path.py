@@ -1,5 +1,6 @@
 """The host path of every op at the overhead sweep's size, on any machine: kernel launches per
-forward + backward, and the Python time around them, with Triton's launch stubbed out.
+forward + backward (Triton's and torch's own), and the Python time around them, with Triton's
+launch stubbed out.
 
     python -m tools.host_path                 # every op with a benchmark
     python -m tools.host_path rms_norm cross_entropy
@@ -41,10 +42,24 @@ def stubbed_launches(counter: list):
             cls.run = original
 
 
+# torch ops that launch no kernel (allocation, views, metadata): everything else a step runs at the
+# bottom of torch's call tree (a fill, a copy, a cast, an addition) is one kernel launch on a GPU.
+_NO_KERNEL = frozenset(f"aten::{name}" for name in (
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view",
+    "_reshape_alias", "reshape", "as_strided", "alias", "detach", "lift_fresh", "t", "transpose", "permute",
+    "expand", "slice", "select", "unsqueeze", "squeeze", "resolve_conj", "resolve_neg", "result_type",
+    "contiguous", "set_", "resize_", "numpy_T", "unbind", "split", "chunk", "narrow", "view_as_real",
+    "view_as_complex", "promote_types", "_nnpack_available", "scalar_tensor",
+))
+# A read of a device value on the host: a synchronisation on a GPU (the op contract forbids it).
+HOST_SYNC = "aten::_local_scalar_dense"
+
+
 def _step(bench, provider_fn, params, dtype):
     inputs = bench.make_inputs(params, dtype, "cpu")
     run = provider_fn(params, inputs)
     leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    seeds = []  # the incoming gradients, made once: their fills are not the op's
 
     def step():
         for t in leaves:
@@ -52,9 +67,21 @@ def _step(bench, provider_fn, params, dtype):
         result = run()
         items = result if isinstance(result, (tuple, list)) else (result,)
         outs = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        if not seeds:
+            seeds.extend(torch.ones_like(t) for t in outs)
+        torch.autograd.backward(outs, seeds)
 
     return step
+
+
+def torch_kernels(step) -> list[str]:
+    """The torch ops of one ``step()`` that launch a kernel: the leaves of its call tree."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sorted(e.name for e in prof.events()
+                  if e.name.startswith("aten::") and not e.cpu_children and e.name not in _NO_KERNEL)
 
 
 def _us_per_call(step, calls=200, repeats=5) -> float:
@@ -68,9 +95,9 @@ def _us_per_call(step, calls=200, repeats=5) -> float:
     return best
 
 
-def measure(op: str, dtype=torch.float32, timed: bool = True) -> tuple[int, float | None, float | None]:
-    """(launches per forward + backward, Onca's Python µs per call, torch's µs per call); the
-    times are None unless ``timed``."""
+def measure(op: str, dtype=torch.float32, timed: bool = True) -> tuple[int, list[str], float | None, float | None]:
+    """(Triton launches per forward + backward, the torch kernels beside them, Onca's Python µs per
+    call, torch's µs per call); the times are None unless ``timed``."""
     bench = harness.load(op)
     params = dict(bench.overhead_sweep().points[0][1])
     counter = [0]
@@ -78,25 +105,26 @@ def measure(op: str, dtype=torch.float32, timed: bool = True) -> tuple[int, floa
         onca_step = _step(bench, bench.onca, params, dtype)
         onca_step()
         counter[0] = 0
-        onca_step()
+        kernels = torch_kernels(onca_step)
         launches = counter[0]
         if not timed:
-            return launches, None, None
+            return launches, kernels, None, None
         onca_us = _us_per_call(onca_step)
     torch_us = _us_per_call(_step(bench, bench.reference, params, dtype))
-    return launches, onca_us, torch_us
+    return launches, kernels, onca_us, torch_us
 
 
 def main(argv: list[str]) -> int:
     ops = argv or harness.list_ops()
-    print(f"{'op':36s} {'launches':>8s} {'onca µs':>9s} {'torch µs':>9s}")
+    print(f"{'op':36s} {'triton':>6s} {'torch':>5s} {'onca µs':>9s} {'torch µs':>9s}  torch kernels")
     for op in ops:
         try:
-            launches, onca_us, torch_us = measure(op)
+            launches, kernels, onca_us, torch_us = measure(op)
         except Exception as exc:  # noqa: BLE001 (one op's failure does not hide the others)
             print(f"{op:36s} failed: {type(exc).__name__}: {str(exc)[:120]}")
             continue
-        print(f"{op:36s} {launches:8d} {onca_us:9.1f} {torch_us:9.1f}", flush=True)
+        names = ", ".join(k.removeprefix("aten::") for k in kernels)
+        print(f"{op:36s} {launches:6d} {len(kernels):5d} {onca_us:9.1f} {torch_us:9.1f}  {names}", flush=True)
     return 0
 
 

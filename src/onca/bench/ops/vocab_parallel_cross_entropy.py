@@ -25,7 +25,8 @@ def one_rank_group(device):
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        # Both backends where CUDA is there: the host-path tool runs this op on CPU tensors too.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.group.WORLD
 
@@ -34,7 +35,9 @@ def onca(p, inputs):
     from onca.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 
     group = one_rank_group(inputs["logits"].device)
-    return lambda: vocab_parallel_cross_entropy(inputs["logits"], inputs["target"], group, vocab_start=0)
+    # Even shards (vocab_start=None): the usual tensor-parallel layout, and no gather of the shard
+    # sizes on the host (an explicit vocab_start for uneven shards gathers them every call).
+    return lambda: vocab_parallel_cross_entropy(inputs["logits"], inputs["target"], group)
 
 
 def reference(p, inputs):
