@@ -91,6 +91,13 @@ COMPILED_FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mist
 MULTIMODAL_FAMILIES = sorted(set(FAMILIES) - set(COMPILED_FAMILIES))
 
 
+def _grad_tolerance(device) -> dict:
+    """fp32 gradients of the traced against the eager run. On a GPU they differ in the last bits
+    where several contributions meet in an unordered sum (a tied head and embedding, the
+    embedding's atomic adds, cuDNN's choice of convolution algorithm): about 2e-6 absolute."""
+    return {"rtol": 1e-5, "atol": 1e-5 if torch.device(device).type == "cuda" else 1e-6}
+
+
 @pytest.mark.parametrize("model_type", COMPILED_FAMILIES)
 def test_patched_family_compiles_fullgraph(model_type, device):
     if not FAMILIES[model_type].available():
@@ -116,7 +123,8 @@ def test_patched_family_compiles_fullgraph(model_type, device):
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.skipif(SCALE != "gpu", reason="inductor training runs at GPU scale")
@@ -208,4 +216,5 @@ def test_patched_multimodal_family_adds_no_graph_break(model_type, device, monke
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
+                                   msg=lambda m, name=name: f"{name}: {m}")
