@@ -50,14 +50,14 @@ def _reference_ce(logits64, y, reduction, z_scale):
     return per.sum() / valid.sum() if reduction == "mean" else per.sum()
 
 
-def _check_logits(rank, device, *, even=True, reduction="mean", z_scale=0.0, dtype=torch.float32):
+def _check_logits(rank, device, *, even=True, reduction="mean", z_scale=0.0, dtype=torch.float32, sized=False):
     vocab = VOCAB - 1 if even else VOCAB
     full = _same_on_every_rank(torch.randn(TOKENS, vocab, device=device) * 3).to(dtype)
     y = _targets(device, vocab=vocab)
     lo, hi = _shard_bounds(rank, vocab, even)
     shard = full[:, lo:hi].clone().requires_grad_()
     loss = OF.vocab_parallel_cross_entropy(shard, y, vocab_start=None if even else lo, reduction=reduction,
-                                           lse_square_scale=z_scale)
+                                           lse_square_scale=z_scale, vocab_size=vocab if sized else None)
     ref_in = full.to(torch.float64).requires_grad_()
     ref = _reference_ce(ref_in, y, reduction, z_scale)
     seed = torch.randn_like(ref) if reduction == "none" else torch.ones_like(ref)
@@ -186,6 +186,7 @@ def _check_contract(rank, device):
 CHECKS = {
     "logits_even": lambda r, d: _check_logits(r, d),
     "logits_uneven_sum_zloss": lambda r, d: _check_logits(r, d, even=False, reduction="sum", z_scale=1e-2),
+    "logits_uneven_sized": lambda r, d: _check_logits(r, d, even=False, sized=True),
     "logits_none_bf16": lambda r, d: _check_logits(r, d, reduction="none", dtype=torch.bfloat16),
     "logits_dtensor": _check_dtensor_logits,
     "fused_even": lambda r, d: _check_fused(r, d),

@@ -41,6 +41,32 @@ def test_one_rank_matches_cross_entropy(device, group, dtype, reduction):
     assert_close(lk.grad, l64.grad, dtype, "dlogits")
 
 
+def test_uneven_shards_with_vocab_size_gather_nothing_on_the_host(device, group, monkeypatch):
+    """vocab_start with vocab_size: no gather of the shard sizes (a host synchronisation per call);
+    without vocab_size the sizes are gathered. Both give the same loss."""
+    import torch.distributed as dist
+
+    logits = randn(9, 40, device=device)
+    target = torch.randint(0, 40, (9,), device=device)
+    gathered = []
+    real = dist.all_gather_object
+    monkeypatch.setattr(dist, "all_gather_object", lambda *a, **k: (gathered.append(1), real(*a, **k))[1])
+    sized = vocab_parallel_cross_entropy(logits, target, group, vocab_start=0, vocab_size=40)
+    assert gathered == []
+    unsized = vocab_parallel_cross_entropy(logits, target, group, vocab_start=0)
+    assert gathered == [1]
+    assert torch.equal(sized, unsized)
+
+
+def test_bad_vocab_size_names_it(device, group):
+    logits = randn(4, 10, device=device)
+    target = torch.zeros(4, dtype=torch.long, device=device)
+    for kwargs in ({"vocab_size": 9}, {"vocab_size": 12}, {"vocab_size": 12, "vocab_start": 5},
+                   {"vocab_size": True, "vocab_start": 0}):
+        with pytest.raises(ValueError, match="vocab_size"):
+            vocab_parallel_cross_entropy(logits, target, group, **kwargs)
+
+
 def test_bad_input_names_the_argument(device, group):
     logits = randn(4, 10, device=device)
     with pytest.raises((TypeError, ValueError), match="target"):

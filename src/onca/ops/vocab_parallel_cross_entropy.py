@@ -368,10 +368,11 @@ def _replicated_local(t, name: str):
     return t.to_local()
 
 
-def _resolve(group, vocab_local: int, vocab_start, name: str) -> tuple[str, int, int]:
+def _resolve(group, vocab_local: int, vocab_start, vocab_size, name: str) -> tuple[str, int, int]:
     """``(group name, this rank's vocabulary start, total vocabulary)`` for plain local shards:
-    even shards (``start = rank * V_r``) unless ``vocab_start`` is given, then the total is the
-    sum of the shards' sizes (asked of the group once, on the host)."""
+    even shards (``start = rank * V_r``) unless ``vocab_start`` is given; then the total is
+    ``vocab_size``, or, without it, the sum of the shards' sizes gathered on the host (a collective
+    and a synchronisation on every call)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"a vocabulary-parallel {name} needs torch.distributed initialised (the process group "
                          "the vocabulary is sharded over)")
@@ -380,10 +381,22 @@ def _resolve(group, vocab_local: int, vocab_start, name: str) -> tuple[str, int,
     elif hasattr(group, "get_group"):  # a 1-D DeviceMesh
         group = group.get_group()
     world = dist.get_world_size(group)
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                   or vocab_size < vocab_local):
+        raise ValueError(f"vocab_size must be None or an int >= this rank's shard ({vocab_local}), "
+                         f"got {vocab_size!r}")
     if vocab_start is None:
+        if vocab_size is not None and vocab_size != world * vocab_local:
+            raise ValueError(f"vocab_size {vocab_size} is not {world} even shards of {vocab_local}: "
+                             "pass vocab_start for uneven shards")
         return group.group_name, dist.get_rank(group) * vocab_local, world * vocab_local
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be None or an int >= 0, got {vocab_start!r}")
+    if vocab_size is not None:
+        if vocab_start + vocab_local > vocab_size:
+            raise ValueError(f"vocab_start + this rank's shard ({vocab_start} + {vocab_local}) exceeds "
+                             f"vocab_size {vocab_size}")
+        return group.group_name, vocab_start, vocab_size
     sizes = [None] * world
     dist.all_gather_object(sizes, vocab_local, group=group)
     return group.group_name, vocab_start, sum(sizes)
@@ -406,6 +419,7 @@ def vocab_parallel_cross_entropy(
     group=None,
     *,
     vocab_start: int | None = None,
+    vocab_size: int | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     lse_square_scale: float = 0.0,
@@ -420,7 +434,8 @@ def vocab_parallel_cross_entropy(
     ``target`` ``(...)``: the global class indices, the same on every rank (a replicated DTensor
     is taken as its local tensor). ``group``: a process group or 1-D ``DeviceMesh`` (default the
     whole world) for plain tensors. ``vocab_start`` None means even shards (``rank * V_r``);
-    given, the shards may be uneven (their sizes are gathered once). Options as
+    given, the shards may be uneven: pass the whole vocabulary as ``vocab_size`` too, or every
+    call gathers the shards' sizes on the host (a synchronisation). Options as
     :func:`onca.ops.cross_entropy.cross_entropy`: ``ignore_index``, ``reduction`` (``"mean"``,
     ``"sum"``, ``"none"``), ``lse_square_scale`` (z-loss) and ``return_z_loss``. Every rank
     returns the same loss (a plain tensor in the logits' dtype); the logits' gradient is this
@@ -445,7 +460,7 @@ def vocab_parallel_cross_entropy(
     target1d = check_target(target, "target", logits.shape[:-1], "the logits' shape without the vocab")
     check_same_device(target, "target", logits, "logits")
     if group_name is None:
-        group_name, start, total = _resolve(group, logits.shape[-1], vocab_start, "cross entropy")
+        group_name, start, total = _resolve(group, logits.shape[-1], vocab_start, vocab_size, "cross entropy")
     loss, z_loss, _ = vocab_parallel_cross_entropy_forward(
         as_rows(logits), target1d, group_name, start, total, ignore_index, float(lse_square_scale), reduction)
     if reduction == "none":
@@ -461,6 +476,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     group=None,
     *,
     vocab_start: int | None = None,
+    vocab_size: int | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     lse_square_scale: float = 0.0,
@@ -476,7 +492,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     DTensor ``Shard(0)`` (its mesh gives the group and offsets; the gradient reaches it as a
     DTensor); ``bias`` ``(V_r,)`` likewise (or None). ``hidden`` ``(..., H)`` and ``target``
     ``(...)`` are the same on every rank (replicated DTensors are taken as their local tensors).
-    ``group``, ``vocab_start`` as :func:`vocab_parallel_cross_entropy`; ``ignore_index``,
+    ``group``, ``vocab_start``, ``vocab_size`` as :func:`vocab_parallel_cross_entropy`; ``ignore_index``,
     ``reduction`` (``"mean"`` or ``"sum"``), ``lse_square_scale``, ``return_z_loss``,
     ``accum_dtype``, ``chunk_tokens`` as :func:`onca.ops.fused_linear_cross_entropy.
     fused_linear_cross_entropy`. The loss (fp32) is the same on every rank; ``hidden``'s gradient
@@ -527,7 +543,7 @@ def vocab_parallel_fused_linear_cross_entropy(
                                      or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
     if group_name is None:
-        group_name, start, total = _resolve(group, weight.shape[0], vocab_start, "fused linear cross entropy")
+        group_name, start, total = _resolve(group, weight.shape[0], vocab_start, vocab_size, "fused linear cross entropy")
     grad = torch.is_grad_enabled()
     loss, z_loss, *_ = vocab_parallel_fused_linear_cross_entropy_forward(
         as_rows(hidden), weight, target1d, bias, group_name, start, total, ignore_index,
