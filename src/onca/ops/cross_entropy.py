@@ -724,9 +724,11 @@ class ForwardGradients:
     gradient of exactly 0, a later one gives NaN (the gradients were zeroed).
     """
 
-    def __init__(self, tensors, grad_output: Tensor):
+    def __init__(self, tensors):
         self.tensors = tuple(tensors)
-        self.applied = torch.ones(grad_output.shape, dtype=torch.float32, device=grad_output.device)
+        # The incoming gradient already folded in, flat fp32 (None: 1, nothing folded in yet; no
+        # fill launch in the forward pass for the usual single backward).
+        self.applied: Tensor | None = None
         self.versions: list | None = None
 
     def take(self, grad_output: Tensor) -> tuple:
@@ -741,7 +743,8 @@ class ForwardGradients:
         for t in self.tensors:
             if t is not None:
                 scale_forward_gradient(t, grad_output, self.applied, True)
-        self.applied.copy_(grad_output.reshape(self.applied.shape))
+        # A copy, not the caller's tensor: it may be changed before a second backward.
+        self.applied = grad_output.reshape(-1).to(torch.float32, copy=True).contiguous()
         self.versions = [t._version if t is not None else None for t in self.tensors]
         # Fresh views: autograd can make them a leaf's .grad without a copy (it copies a tensor
         # that something else still references), and they share the version counters checked above.
@@ -760,7 +763,7 @@ def _setup_context(ctx, inputs, output):
     if not in_forward:
         ctx.save_for_backward(logits, target, lse, weight)
     elif ctx.eager:
-        ctx.grads = ForwardGradients([logits if overwrite else grad], loss)
+        ctx.grads = ForwardGradients([logits if overwrite else grad])
     else:
         ctx.save_for_backward(grad)
 

@@ -322,7 +322,7 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(hidden, weight, target, bias, lse, ce_weight)
     elif ctx.eager:
         needed = [t if need else None for t, need in zip((dx, dw, db), ctx.needs)]
-        ctx.grads = ForwardGradients(needed, loss)
+        ctx.grads = ForwardGradients(needed)
     else:
         ctx.save_for_backward(dx, dw, db)
 

@@ -185,7 +185,7 @@ def _setup_context(ctx, inputs, output):
     ctx.eager = not tracing(inputs[0], loss)
     if ctx.eager:
         computed = [g if wanted else None for g, wanted in zip((dx, dw, db), ctx.computed)]
-        ctx.grads = ForwardGradients(computed, loss)
+        ctx.grads = ForwardGradients(computed)
     else:
         ctx.save_for_backward(dx, dw, db)
 

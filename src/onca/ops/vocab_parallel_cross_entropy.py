@@ -304,7 +304,7 @@ def _flce_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(z_loss, lse, dx, dw, db)
     ctx.eager = not tracing(hidden, loss)
     if ctx.eager:
-        ctx.grads = ForwardGradients([t if need else None for t, need in zip((dx, dw, db), ctx.needs)], loss)
+        ctx.grads = ForwardGradients([t if need else None for t, need in zip((dx, dw, db), ctx.needs)])
     else:
         ctx.save_for_backward(dx, dw, db)
 
