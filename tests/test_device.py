@@ -104,6 +104,34 @@ def test_interpreter_switched_on_without_accelerator_unless_user_chose():
     assert _run(code, {**env, "TRITON_INTERPRET": "0"}) == "0"
 
 
+def test_interpreter_scalars_index_on_triton_releases_that_used_int_of_an_array(monkeypatch):
+    # Triton <= 3.6's interpreter indexed a program id (a one-element array) with int(array), which
+    # NumPy >= 2.4 refuses; Onca's patch must make such a scalar usable as a range bound.
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def old_patch(tensor, scope):
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", old_patch)
+    d._scalar_index_in_interpreter()
+    d._scalar_index_in_interpreter()  # a second call must not wrap twice
+    assert interpreter._patch_lang_tensor.onca_scalar_index
+
+    class Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    class Handle:
+        data = np.array([3], dtype=np.int32)
+
+    class Scalar:
+        handle = Handle()
+
+    interpreter._patch_lang_tensor(Scalar, Scope())
+    assert list(range(Scalar(), 6)) == [3, 4, 5]
+
+
 # ------------------------------------------------- NPU detection, torch_npu mocked (conftest's fake_npu)
 
 

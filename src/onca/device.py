@@ -143,7 +143,31 @@ def ensure_interpreter() -> bool:
     """
     if "TRITON_INTERPRET" not in os.environ and accelerator() == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
+    if interpreter_active():
+        _scalar_index_in_interpreter()
     return interpreter_active()
+
+
+def _scalar_index_in_interpreter() -> None:
+    """Let the interpreter's scalars index like Python ints under NumPy >= 2.4 on older Triton.
+
+    A program id in Triton's interpreter is a one-element array; Triton <= 3.6 turns it into an index
+    with ``int(array)``, which NumPy 2.4 refuses for an array of one dimension, so every
+    ``tl.range(pid, ...)`` loop failed there (PyTorch 2.11 ships Triton 3.6). Newer Triton squeezes
+    the array first; this gives older ones the same ``__index__``, and is a no-op on newer ones.
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "onca_scalar_index", False):
+        return
+
+    def patch_with_scalar_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_with_scalar_index.onca_scalar_index = True
+    interpreter._patch_lang_tensor = patch_with_scalar_index
 
 
 def interpreter_active() -> bool:
