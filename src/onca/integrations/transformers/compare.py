@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -119,7 +120,9 @@ def _build_model(settings: Settings, config):
     if os.path.isdir(settings.model):
         model = transformers.AutoModelForCausalLM.from_pretrained(settings.model, dtype=settings.dtype)
     else:
-        model = _model_class(config)._from_config(config, dtype=settings.dtype)
+        # Initialised where it trains: on the host, a real-width model's init outlasts its steps.
+        with torch.device(_device(settings)):
+            model = _model_class(config)._from_config(config, dtype=settings.dtype)
     return model.to(_device(settings))
 
 
@@ -293,6 +296,9 @@ def run(settings: Settings, show_progress: bool = True) -> tuple[list[RunResult]
         if bar is not None:
             bar.set_postfix_str(variant)
         results.append(train(variant, settings, config, data, bar))
+        if bar is None:  # a log still shows how far a run got if it is cut off
+            print(f"onca compare: {variant} done ({results[-1].error or f'{len(results[-1].step_ms)} steps'})",
+                  file=sys.stderr, flush=True)
     if bar is not None:
         bar.close()
     return results, config
