@@ -242,6 +242,21 @@ def test_below_peers_lists_the_points_where_onca_loses():
     assert "d1 1: 0.50x torch" in text and "d1 2" not in text
 
 
+def test_summary_names_the_gpu_of_each_row():
+    def row(op, provider, metric, value, gpu):
+        return {"kernel_name": op, "sweep": "d2", "x_value": "llama-3-8b", "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": metric, "kernel_provider": provider, "y_value_50": value,
+                "gpu_name": gpu}
+
+    rows = [row("a", "onca", "speed", 1.0, "NVIDIA H200"), row("a", "liger", "speed", 2.0, "NVIDIA H200"),
+            row("b", "onca", "speed", 2.0, "NVIDIA H100 80GB HBM3"), row("b", "torch", "speed", 1.0,
+                                                                            "NVIDIA H100 80GB HBM3")]
+    lines = report.summary(rows).splitlines()
+    assert lines[0].startswith("| kernel | shape | gpu | onca ms")
+    assert lines[2].startswith("| a | llama-3-8b | H200 | 1.000 |") and "2.00x" in lines[2]
+    assert lines[3].startswith("| b | llama-3-8b | H100 | 2.000 | 0.50x |")
+
+
 def test_peer_providers_are_run_beside_the_harness_own():
     """A benchmark's ``peers`` (another library's implementation) are measured and recorded like
     liger; naming the providers explicitly leaves them out; a failing import marks one unavailable."""

@@ -73,10 +73,17 @@ HEADLINE_MODEL = {"geglu": "gemma-2-9b"}
 DEFAULT_HEADLINE_MODEL = "llama-3-8b"
 
 
+def short_gpu_name(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``H100``: the table says which machine each row is from, as
+    rows from different runs (and GPUs) sit in one table."""
+    words = name.replace("NVIDIA", "").split()
+    return words[0] if words else "-"
+
+
 def summary(rows: list[dict], mode: str = "full") -> str:
     """A Markdown table, one line per op: its headline D2 point in ``mode`` (from CSV rows as
-    ``records.read_csv`` returns them, newest record per point), each provider's median time, and
-    onca's peak memory beside liger-kernel's. Ratios as in :func:`table`."""
+    ``records.read_csv`` returns them, newest record per point), the GPU it ran on, each provider's
+    median time, and onca's peak memory beside liger-kernel's. Ratios as in :func:`table`."""
     by_key: dict[tuple, dict] = {}
     for r in rows:
         if r["sweep"] != "d2" or r["kernel_operation_mode"] != mode:
@@ -85,14 +92,15 @@ def summary(rows: list[dict], mode: str = "full") -> str:
             continue
         by_key[(r["kernel_name"], r["kernel_provider"], r["metric_name"])] = r
     ops = sorted({k[0] for k in by_key}, key=lambda op: list(by_key).index(next(k for k in by_key if k[0] == op)))
-    head = ["kernel", "shape", "onca ms", "vs torch", "vs compile", "vs liger", "onca MB", "liger MB"]
+    head = ["kernel", "shape", "gpu", "onca ms", "vs torch", "vs compile", "vs liger", "onca MB", "liger MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op in ops:
         def get(provider, metric="speed"):
             r = by_key.get((op, provider, metric))
             return r["y_value_50"] if r and r["status"] == "ok" else math.nan
         onca = get("onca")
-        cells = [op, HEADLINE_MODEL.get(op, DEFAULT_HEADLINE_MODEL), _fmt(onca, 3)]
+        measured_on = by_key.get((op, "onca", "speed"), {}).get("gpu_name", "")
+        cells = [op, HEADLINE_MODEL.get(op, DEFAULT_HEADLINE_MODEL), short_gpu_name(measured_on), _fmt(onca, 3)]
         cells += [_fmt(get(p) / onca, 2, "x") for p in ("torch", "torch_compile", "liger")]
         cells += [_fmt(get("onca", "memory"), 0), _fmt(get("liger", "memory"), 0)]
         lines.append("| " + " | ".join(cells) + " |")
