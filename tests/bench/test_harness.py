@@ -255,6 +255,11 @@ def test_summary_names_the_gpu_of_each_row():
     assert lines[0].startswith("| kernel | shape | gpu | onca ms")
     assert lines[2].startswith("| a | llama-3-8b | H200 | 1.000 |") and "2.00x" in lines[2]
     assert lines[3].startswith("| b | llama-3-8b | H100 | 2.000 | 0.50x |")
+    for r in rows:
+        r["sweep"] = "overhead"
+    lines = report.overhead_summary(rows).splitlines()
+    assert lines[0].startswith("| kernel | gpu | onca ms | torch ms")
+    assert lines[2].startswith("| a | H200 | 1.0000 |") and lines[3].startswith("| b | H100 | 2.0000 | 1.0000 |")
 
 
 def test_peer_providers_are_run_beside_the_harness_own():

@@ -114,15 +114,17 @@ def overhead_summary(rows: list[dict], mode: str = "full") -> str:
               if r["sweep"] == "overhead" and r["kernel_operation_mode"] == mode and r["metric_name"] == "speed"}
     if not by_key:
         return ""
-    providers = ("torch", "torch_compile", "liger")
-    head = ["kernel", "onca ms", *(f"{p} ms" for p in providers), *(f"vs {p}" for p in providers)]
+    # Only the peers that were run: a column of dashes says nothing.
+    providers = tuple(p for p in ("torch", "torch_compile", "liger") if any(k[1] == p for k in by_key))
+    head = ["kernel", "gpu", "onca ms", *(f"{p} ms" for p in providers), *(f"vs {p}" for p in providers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op in sorted({k[0] for k in by_key}):
         def get(provider):
             r = by_key.get((op, provider))
             return r["y_value_50"] if r and r["status"] == "ok" else math.nan
         onca = get("onca")
-        cells = [op, _fmt(onca, 4), *(_fmt(get(p), 4) for p in providers), *(_fmt(get(p) / onca, 2, "x")
+        measured_on = short_gpu_name(by_key.get((op, "onca"), {}).get("gpu_name", ""))
+        cells = [op, measured_on, _fmt(onca, 4), *(_fmt(get(p), 4) for p in providers), *(_fmt(get(p) / onca, 2, "x")
                                                                                for p in providers)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
