@@ -17,7 +17,7 @@ LAUNCHES = {
     "fused_linear_grpo": 2, "fused_linear_jsd": 1, "fused_linear_kto": 3, "fused_linear_logprobs": 2,
     "fused_linear_orpo": 2, "fused_linear_scaled_cross_entropy": 2, "fused_linear_simpo": 2, "fused_moe": 8,
     "geglu": 2, "group_norm": 4, "grpo_loss": 2, "jsd": 1, "kl_div": 1, "layer_norm": 2, "llama4_rope": 2,
-    "mhc": 4, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
+    "mhc": 6, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
     "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rope": 2, "softmax": 2,
     "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 1, "vocab_parallel_cross_entropy": 5,
 }
@@ -33,6 +33,12 @@ KERNELS_ONLY = ("fused_add_rms_norm", "geglu", "group_norm", "layer_norm", "neig
                 "rms_norm", "softmax", "sparsemax", "swiglu")
 
 
+# Ops whose torch kernels beside their own are bounded: mHC's coefficients ran ~640 small torch
+# kernels per step (the Sinkhorn loop, forward and walked back) before their own two kernels; the
+# rest are its matmuls, casts and the benchmark layer's own ops.
+MAX_TORCH_KERNELS = {"mhc": 30}
+
+
 @pytest.mark.parametrize("op", sorted(LAUNCHES))
 def test_launches_per_step(op):
     launches, kernels = measure(op, timed=False)[:2]
@@ -40,3 +46,5 @@ def test_launches_per_step(op):
     assert HOST_SYNC not in kernels, f"{op} reads a device value on the host"
     if op in KERNELS_ONLY:
         assert kernels == [], f"{op} launches torch kernels beside its own: {kernels}"
+    if op in MAX_TORCH_KERNELS:
+        assert len(kernels) <= MAX_TORCH_KERNELS[op], f"{op} launches {len(kernels)} torch kernels: {kernels}"

@@ -84,6 +84,17 @@ def test_column_tiled_path_and_odd_streams(device, onchip_bytes):
     check(randn(5, 3, c, device=device), coeff_params(3, c, device), tmax=3)
 
 
+@pytest.mark.parametrize("hc,tmax,sinkhorn_eps", [(1, 1, 1e-6), (3, 2, 1e-6), (4, 20, 1e-6), (5, 5, 1e-6),
+                                                  (5, 4, 0.0)])
+def test_sinkhorn_depths_and_stream_counts(device, hc, tmax, sinkhorn_eps):
+    """The coefficient kernels walk the Sinkhorn loop back from its last iterate: one iterate, the
+    default twenty, a single stream and stream counts that pad their HC x HC block (with no
+    epsilon too: a padding row sums to zero); 7 tokens (not a whole block of them)."""
+    c = 24 if SCALE == "cpu" else 512
+    check(randn(1, 7, hc, c, device=device), coeff_params(hc, c, device, std=0.2), tmax=tmax,
+          sinkhorn_eps=sinkhorn_eps)
+
+
 def test_pre_and_post_res_alone(device):
     """The mixing ops on their own, with coefficients from outside (liger-kernel's test's form)."""
     b, t, hc, c = BASE

@@ -18,10 +18,14 @@ plus ``sinkhorn_eps``). The layer then runs on the mixed-down input and its outp
 Kernels: ``mhc_pre`` and ``mhc_post_res`` (the bandwidth-bound parts, reading the whole widened
 stream) are Triton kernels, forward and backward, one program per block of tokens computing in
 fp32 and storing in ``x``'s dtype; their coefficient gradients are reduced over ``C`` in registers.
-``mhc_coeffs`` is a custom op whose matmul (``x_flat @ phi``) and per-token coefficient arithmetic
-(``M`` values per token: a few hundred, against ``HC * C`` read) are a torch composition in fp32;
-its backward is the closed-form gradient of that composition (Sinkhorn iterates recomputed from
-the saved inputs: nothing of it is stored between forward and backward). Coefficients are fp32, as in liger-kernel.
+``mhc_coeffs`` runs the projection ``x_flat @ phi`` as one fp32 matmul and everything per token
+(the RMS factor, the sigmoids, the softmax and the ``2 * tmax - 1`` Sinkhorn normalisations) in
+one Triton kernel over blocks of tokens, each token's ``HC x HC`` block in registers. Its backward
+recomputes the projection, walks the Sinkhorn loop back in one kernel (each iterate recomputed
+from the softmax: nothing of the loop is stored between forward and backward) that also reduces
+``db`` and the ``alpha`` gradients per program, and finishes with the projection's two matmuls.
+As a torch composition the loop was about 640 small kernels per forward + backward. Coefficients
+are fp32, as in liger-kernel.
 """
 
 from __future__ import annotations
@@ -197,6 +201,180 @@ def _mhc_post_res_backward_kernel(
             tl.store(dhres_ptr + (rows64[:, None] * hc + i) * hc + hs[None, :], acc, mask=hmask)
 
 
+@triton.jit
+def _sinkhorn_step(m, t, eps):
+    """Iterate ``t`` (1-based) of the Sinkhorn loop over ``m (rows, HC, HC)``: the first and every
+    odd iterate divide each column by its sum plus ``eps``, the even ones each row. Padding stays 0."""
+    sums = tl.where(t % 2 == 0, tl.sum(m, axis=2)[:, :, None], tl.sum(m, axis=1)[:, None, :]) + eps
+    return m / _nonzero(sums)
+
+
+@triton.jit
+def _nonzero(sums):
+    """A divisor for the Sinkhorn sums: only a padding row or column (all zeros) sums to zero (with
+    ``sinkhorn_eps=0``), and 0/0 there would spread NaN into the real block through the next sums."""
+    return tl.where(sums == 0.0, 1.0, sums)
+
+
+@triton.jit
+def _inverse_rms(x_ptr, rows64, row_mask, k_cols, rms_eps,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COL_TILES: tl.constexpr):
+    """``rsqrt(mean(x_flat**2) + rms_eps)`` per token of the ``(N, HC * C)`` stream, in fp32."""
+    col_offsets = tl.arange(0, BLOCK_COLS)
+    squares = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    for tile in range(COL_TILES):
+        cols = tile * BLOCK_COLS + col_offsets
+        x = tl.load(x_ptr + rows64[:, None] * k_cols + cols[None, :],
+                    mask=row_mask[:, None] & (cols < k_cols)[None, :], other=0.0).to(tl.float32)
+        squares += x * x
+    return 1.0 / tl.sqrt(tl.sum(squares, axis=1) / k_cols + rms_eps)
+
+
+@triton.jit
+def _residual_softmax(proj_ptr, b_ptr, rows64, valid, square, res_cols, invr, a_res, hc, m_cols):
+    """``softmax(alpha_res * mix_res + b_res)`` over each row of the ``(HC, HC)`` block, 0 outside
+    ``valid``; also returns the block's ``mix_res``."""
+    res_offsets = 2 * hc + res_cols
+    mix = tl.load(proj_ptr + rows64[:, None, None] * m_cols + res_offsets[None, :, :], mask=valid,
+                  other=0.0) * invr[:, None, None]
+    logits = mix * a_res + tl.load(b_ptr + res_offsets, mask=square, other=0.0).to(tl.float32)[None, :, :]
+    peak = tl.max(tl.where(valid, logits, float("-inf")), axis=2)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)  # an all-padding row: no NaN from -inf - -inf
+    e = tl.where(valid, tl.exp(logits - peak[:, :, None]), 0.0)
+    total = tl.sum(e, axis=2)
+    return e / tl.where(total == 0.0, 1.0, total)[:, :, None], mix
+
+
+@triton.jit
+def _mhc_coeffs_forward_kernel(
+    x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, pre_ptr, post_ptr, res_ptr,
+    n_rows, hc, k_cols, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult,
+    HC_BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COL_TILES: tl.constexpr,
+):
+    """The coefficients of a block of tokens from ``proj = x_flat @ phi`` (fp32, ``(N, M)``): the RMS
+    factor from ``x``, the two sigmoids and the softmax plus Sinkhorn iterations, in registers."""
+    pid = tl.program_id(0)
+    m_cols = hc * hc + 2 * hc
+    hs = tl.arange(0, HC_BLOCK)
+    res_cols = hs[:, None] * hc + hs[None, :]
+    square = (hs < hc)[:, None] & (hs < hc)[None, :]
+    a_pre = tl.load(a_pre_ptr).to(tl.float32)
+    a_post = tl.load(a_post_ptr).to(tl.float32)
+    a_res = tl.load(a_res_ptr).to(tl.float32)
+    b_pre = tl.load(b_ptr + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    b_post = tl.load(b_ptr + hc + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    for row_block in tl.range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        invr = _inverse_rms(x_ptr, rows64, row_mask, k_cols, rms_eps, BLOCK_ROWS, BLOCK_COLS, COL_TILES)
+        hmask = row_mask[:, None] & (hs < hc)[None, :]
+        proj_row = proj_ptr + rows64[:, None] * m_cols + hs[None, :]
+        mix_pre = tl.load(proj_row, mask=hmask, other=0.0) * invr[:, None]
+        mix_post = tl.load(proj_row + hc, mask=hmask, other=0.0) * invr[:, None]
+        h_pre = tl.sigmoid(mix_pre * a_pre + b_pre[None, :]) + pre_eps
+        h_post = tl.sigmoid(mix_post * a_post + b_post[None, :]) * post_mult
+        tl.store(pre_ptr + rows64[:, None] * hc + hs[None, :], h_pre, mask=hmask)
+        tl.store(post_ptr + rows64[:, None] * hc + hs[None, :], h_post, mask=hmask)
+        valid = row_mask[:, None, None] & square[None, :, :]
+        soft, _ = _residual_softmax(proj_ptr, b_ptr, rows64, valid, square, res_cols, invr, a_res, hc, m_cols)
+        mat = tl.where(valid, soft + sinkhorn_eps, 0.0)
+        for t in range(1, 2 * tmax):
+            mat = _sinkhorn_step(mat, t, sinkhorn_eps)
+        tl.store(res_ptr + rows64[:, None, None] * (hc * hc) + res_cols[None, :, :], mat, mask=valid)
+
+
+@triton.jit
+def _mhc_coeffs_backward_kernel(
+    x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, d_pre_ptr, d_post_ptr, d_res_ptr,
+    d_proj_ptr, rms_coef_ptr, partial_ptr,
+    n_rows, hc, k_cols, tmax, rms_eps, sinkhorn_eps, post_mult,
+    HC_BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COL_TILES: tl.constexpr,
+):
+    """Per token: ``d_proj = dL/d(x_flat @ phi)`` (``(N, M)``) and the RMS factor's term
+    ``rms_coef = (d_mix . proj) * r**3 / K``, so that ``dx = d_proj @ phi.T - rms_coef * x_flat``;
+    per program, the partial sums of ``db`` (``M`` values) and of the three ``d_alpha`` (after them).
+
+    The Sinkhorn iterates are not stored between forward and backward: walking back from the last,
+    each iterate is recomputed from the softmax (quadratic in ``tmax``, on ``HC x HC`` values held
+    in registers, cheaper than a round trip through memory for the few hundred values per token)."""
+    pid = tl.program_id(0)
+    m_cols = hc * hc + 2 * hc
+    hs = tl.arange(0, HC_BLOCK)
+    res_cols = hs[:, None] * hc + hs[None, :]
+    square = (hs < hc)[:, None] & (hs < hc)[None, :]
+    a_pre = tl.load(a_pre_ptr).to(tl.float32)
+    a_post = tl.load(a_post_ptr).to(tl.float32)
+    a_res = tl.load(a_res_ptr).to(tl.float32)
+    b_pre = tl.load(b_ptr + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    b_post = tl.load(b_ptr + hc + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    db_pre = tl.zeros([HC_BLOCK], dtype=tl.float32)
+    db_post = tl.zeros([HC_BLOCK], dtype=tl.float32)
+    db_res = tl.zeros([HC_BLOCK, HC_BLOCK], dtype=tl.float32)
+    da_pre = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    da_post = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    da_res = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    for row_block in tl.range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        invr = _inverse_rms(x_ptr, rows64, row_mask, k_cols, rms_eps, BLOCK_ROWS, BLOCK_COLS, COL_TILES)
+        invr = tl.where(row_mask, invr, 0.0)  # padding tokens add nothing to the partial sums
+        hmask = row_mask[:, None] & (hs < hc)[None, :]
+        proj_row = proj_ptr + rows64[:, None] * m_cols + hs[None, :]
+        proj_pre = tl.load(proj_row, mask=hmask, other=0.0)
+        proj_post = tl.load(proj_row + hc, mask=hmask, other=0.0)
+        mix_pre = proj_pre * invr[:, None]
+        mix_post = proj_post * invr[:, None]
+        s_pre = tl.sigmoid(mix_pre * a_pre + b_pre[None, :])
+        s_post = tl.sigmoid(mix_post * a_post + b_post[None, :])
+        grad_row = rows64[:, None] * hc + hs[None, :]
+        dl_pre = tl.load(d_pre_ptr + grad_row, mask=hmask, other=0.0) * s_pre * (1.0 - s_pre)
+        dl_post = tl.load(d_post_ptr + grad_row, mask=hmask, other=0.0) * post_mult * s_post * (1.0 - s_post)
+        valid = row_mask[:, None, None] & square[None, :, :]
+        soft, mix_res = _residual_softmax(proj_ptr, b_ptr, rows64, valid, square, res_cols, invr, a_res, hc, m_cols)
+        first = tl.where(valid, soft + sinkhorn_eps, 0.0)
+        d = tl.load(d_res_ptr + rows64[:, None, None] * (hc * hc) + res_cols[None, :, :], mask=valid, other=0.0)
+        for back in range(0, 2 * tmax - 1):
+            step = 2 * tmax - 1 - back  # the iterate that step maps to, walking back from the last
+            mat = first
+            for t in range(1, step):
+                mat = _sinkhorn_step(mat, t, sinkhorn_eps)
+            # d/dmat of mat / (sum + eps): d / s - sum(d * mat) / s**2 over the step's dimension
+            by_rows = step % 2 == 0
+            sums = _nonzero(tl.where(by_rows, tl.sum(mat, axis=2)[:, :, None], tl.sum(mat, axis=1)[:, None, :])
+                            + sinkhorn_eps)
+            dots = tl.where(by_rows, tl.sum(d * mat, axis=2)[:, :, None], tl.sum(d * mat, axis=1)[:, None, :])
+            d = tl.where(valid, d / sums - dots / (sums * sums), 0.0)
+        dl_res = soft * (d - tl.sum(d * soft, axis=2)[:, :, None])
+        d_mix_pre = dl_pre * a_pre
+        d_mix_post = dl_post * a_post
+        d_mix_res = dl_res * a_res
+        proj_res = tl.load(proj_ptr + rows64[:, None, None] * m_cols + 2 * hc + res_cols[None, :, :], mask=valid,
+                           other=0.0)
+        d_r = (tl.sum(d_mix_pre * proj_pre, axis=1) + tl.sum(d_mix_post * proj_post, axis=1)
+               + tl.sum(tl.sum(d_mix_res * proj_res, axis=2), axis=1))
+        tl.store(rms_coef_ptr + rows64, d_r * invr * invr * invr / k_cols, mask=row_mask)
+        d_row = d_proj_ptr + rows64[:, None] * m_cols + hs[None, :]
+        tl.store(d_row, d_mix_pre * invr[:, None], mask=hmask)
+        tl.store(d_row + hc, d_mix_post * invr[:, None], mask=hmask)
+        tl.store(d_proj_ptr + rows64[:, None, None] * m_cols + 2 * hc + res_cols[None, :, :],
+                 d_mix_res * invr[:, None, None], mask=valid)
+        db_pre += tl.sum(dl_pre, axis=0)
+        db_post += tl.sum(dl_post, axis=0)
+        db_res += tl.sum(dl_res, axis=0)
+        da_pre += tl.sum(dl_pre * mix_pre, axis=1)
+        da_post += tl.sum(dl_post * mix_post, axis=1)
+        da_res += tl.sum(tl.sum(dl_res * mix_res, axis=2), axis=1)
+    partial = partial_ptr + pid * (m_cols + 3)
+    tl.store(partial + hs, db_pre, mask=hs < hc)
+    tl.store(partial + hc + hs, db_post, mask=hs < hc)
+    tl.store(partial + 2 * hc + res_cols, db_res, mask=square)
+    tl.store(partial + m_cols, tl.sum(da_pre, axis=0))
+    tl.store(partial + m_cols + 1, tl.sum(da_post, axis=0))
+    tl.store(partial + m_cols + 2, tl.sum(da_res, axis=0))
+
+
 # --------------------------------------------------------------------------------------- launchers
 
 
@@ -306,32 +484,42 @@ def _post_backward(ctx, dout):
 register_autograd(mhc_post_res_forward, _post_backward, setup_context=_post_setup)
 
 
-def _coeffs(x, phi, b, alpha_pre, alpha_post, alpha_res, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult):
-    """The coefficients in fp32 (torch composition: one matmul and a few hundred values per token)."""
+def _coeff_plan(n: int, k: int, dtype: torch.dtype, hc: int) -> RowPlan:
+    """Tokens per program and the tiles of the RMS pass over ``x_flat (N, HC * C)``. The per-token
+    blocks (``HC x HC``, a handful of them live at once, fp32) ride along: they bound the rows."""
+    hb = next_power_of_2(hc)
+    return plan_rows(n, k, dtype, live_tiles=1, fp32_tiles=2, persistent=True,
+                     max_block_rows=max(1, 128 // (hb * hb)))
+
+
+def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x_flat, x_flat @ phi)``: the flat stream and its projection, fp32 (one matmul)."""
     n, hc, c = x.shape
     xm = x.reshape(n, hc * c).float()
-    invr = torch.rsqrt(xm.square().mean(-1, keepdim=True) + rms_eps)
-    mix = (xm @ phi.float()) * invr
-    b = b.float()
-    h_pre = torch.sigmoid(mix[:, :hc] * alpha_pre + b[:hc]) + pre_eps
-    h_post = torch.sigmoid(mix[:, hc:2 * hc] * alpha_post + b[hc:2 * hc]) * post_mult
-    logits = mix[:, 2 * hc:].reshape(n, hc, hc) * alpha_res + b[2 * hc:].reshape(hc, hc)
-    mat = torch.softmax(logits, -1) + sinkhorn_eps
-    mat = mat / (mat.sum(-2, keepdim=True) + sinkhorn_eps)
-    for _ in range(tmax - 1):
-        mat = mat / (mat.sum(-1, keepdim=True) + sinkhorn_eps)
-        mat = mat / (mat.sum(-2, keepdim=True) + sinkhorn_eps)
-    return h_pre, h_post, mat
+    return xm, xm @ phi.float()
+
+
+def _coeff_launch(kernel, x: Tensor, proj: Tensor, *args) -> None:
+    n, hc, c = x.shape
+    p = _coeff_plan(n, hc * c, x.dtype, hc)
+    kernel[(p.grid,)](x, proj, *args, HC_BLOCK=next_power_of_2(hc), BLOCK_ROWS=p.block_rows,
+                      BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps)
 
 
 @custom_op("mhc_coeffs_forward")
 def mhc_coeffs_forward(x: Tensor, phi: Tensor, b: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                        alpha_res: Tensor, tmax: int, rms_eps: float, pre_eps: float, sinkhorn_eps: float,
                        post_mult: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(h_pre (N, HC), h_post (N, HC), h_res (N, HC, HC))`` fp32 for ``x (N, HC, C)``."""
-    with torch.no_grad():
-        return tuple(t.contiguous() for t in _coeffs(x, phi, b, alpha_pre, alpha_post, alpha_res, tmax, rms_eps,
-                                                       pre_eps, sinkhorn_eps, post_mult))
+    """``(h_pre (N, HC), h_post (N, HC), h_res (N, HC, HC))`` fp32 for ``x (N, HC, C)``: the
+    projection by one matmul, everything per token by one kernel."""
+    n, hc, c = x.shape
+    f32 = dict(dtype=torch.float32)
+    h_pre, h_post, h_res = x.new_empty((n, hc), **f32), x.new_empty((n, hc), **f32), x.new_empty((n, hc, hc), **f32)
+    if n:
+        _, proj = _projection(x, phi)
+        _coeff_launch(_mhc_coeffs_forward_kernel, x, proj, b, alpha_pre, alpha_post, alpha_res, h_pre, h_post,
+                      h_res, n, hc, hc * c, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult)
+    return h_pre, h_post, h_res
 
 
 @mhc_coeffs_forward.register_fake
@@ -341,53 +529,32 @@ def _(x, phi, b, alpha_pre, alpha_post, alpha_res, tmax, rms_eps, pre_eps, sinkh
     return x.new_empty((n, hc), **f32), x.new_empty((n, hc), **f32), x.new_empty((n, hc, hc), **f32)
 
 
-def _normalised_backward(d_new: Tensor, mat: Tensor, dim: int, eps: float) -> Tensor:
-    """Gradient of ``mat / (mat.sum(dim) + eps)`` with respect to ``mat``."""
-    s = mat.sum(dim, keepdim=True) + eps
-    return d_new / s - (d_new * mat).sum(dim, keepdim=True) / (s * s)
-
-
 @custom_op("mhc_coeffs_backward")
 def mhc_coeffs_backward(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, phi: Tensor, b: Tensor,
                         alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor, tmax: int, rms_eps: float,
                         pre_eps: float, sinkhorn_eps: float, post_mult: float
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``x, phi, b, alpha_pre, alpha_post, alpha_res`` in closed form, the forward's
-    per-token intermediates (a few hundred values per token, the Sinkhorn iterates) recomputed."""
+    """Gradients of ``x, phi, b, alpha_pre, alpha_post, alpha_res``: the projection recomputed (one
+    matmul), the per-token chain (sigmoids, softmax, Sinkhorn walked back) in one kernel, then the
+    two matmuls of the projection's gradient."""
     n, hc, c = x.shape
-    k = hc * c
-    xm = x.reshape(n, k).float()
-    phi32, b32 = phi.float(), b.float()
-    r = torch.rsqrt(xm.square().mean(-1, keepdim=True) + rms_eps)
-    proj = xm @ phi32
-    mix = proj * r
-    m_pre, m_post, m_res = mix[:, :hc], mix[:, hc:2 * hc], mix[:, 2 * hc:].reshape(n, hc, hc)
-    s_pre = torch.sigmoid(m_pre * alpha_pre + b32[:hc])
-    s_post = torch.sigmoid(m_post * alpha_post + b32[hc:2 * hc])
-    soft = torch.softmax(m_res * alpha_res + b32[2 * hc:].reshape(hc, hc), -1)
-    # The Sinkhorn iterates, each with the dimension it is normalised over next.
-    mats, dims = [soft + sinkhorn_eps], [-2]
-    mat = mats[0] / (mats[0].sum(-2, keepdim=True) + sinkhorn_eps)
-    for _ in range(tmax - 1):
-        for dim in (-1, -2):
-            mats.append(mat)
-            dims.append(dim)
-            mat = mat / (mat.sum(dim, keepdim=True) + sinkhorn_eps)
-    d_mat = d_res.float()
-    for mat, dim in zip(reversed(mats), reversed(dims)):
-        d_mat = _normalised_backward(d_mat, mat, dim, sinkhorn_eps)
-    d_l_res = soft * (d_mat - (d_mat * soft).sum(-1, keepdim=True))
-    d_l_pre = d_pre.float() * s_pre * (1 - s_pre)
-    d_l_post = d_post.float() * post_mult * s_post * (1 - s_post)
-    d_mix = torch.cat((d_l_pre * alpha_pre, d_l_post * alpha_post, d_l_res.reshape(n, hc * hc) * alpha_res), -1)
-    d_alpha = [(d * m).sum() for d, m in ((d_l_pre, m_pre), (d_l_post, m_post), (d_l_res, m_res))]
-    db = torch.cat((d_l_pre.sum(0), d_l_post.sum(0), d_l_res.sum(0).reshape(hc * hc)))
-    d_proj = d_mix * r
-    d_r = (d_mix * proj).sum(-1, keepdim=True)
+    m = hc * hc + 2 * hc
+    xm, proj = _projection(x, phi)
+    d_proj = proj.new_empty((n, m))
+    rms_coef = proj.new_empty((n, 1))
+    grid = _coeff_plan(max(n, 1), hc * c, x.dtype, hc).grid
+    partials = proj.new_zeros((grid, m + 3))
+    if n:
+        _coeff_launch(_mhc_coeffs_backward_kernel, x, proj, b, alpha_pre, alpha_post, alpha_res, d_pre, d_post,
+                      d_res, d_proj, rms_coef, partials, n, hc, hc * c, tmax, rms_eps, sinkhorn_eps, post_mult)
+    # Separate reductions, not views of one: a custom op's outputs may not alias each other.
+    db = partials[:, :m].sum(0)
+    d_alphas = [partials[:, m + i].sum() for i in range(3)]
     dphi = xm.t() @ d_proj
-    dx = d_proj @ phi32.t() - d_r * r.pow(3) * xm / k
-    return (dx.to(x.dtype).view(n, hc, c), dphi.to(phi.dtype), db.to(b.dtype), d_alpha[0].to(alpha_pre.dtype),
-            d_alpha[1].to(alpha_post.dtype), d_alpha[2].to(alpha_res.dtype))
+    # dx = d_proj @ phi^T - rms_coef * x_flat: the RMS factor's share folded into the matmul's epilogue
+    dx = torch.addmm(xm * rms_coef, d_proj, phi.float().t(), alpha=1.0, beta=-1.0) if n else xm.clone()
+    return (dx.to(x.dtype).view(n, hc, c), dphi.to(phi.dtype), db.to(b.dtype), d_alphas[0].to(alpha_pre.dtype),
+            d_alphas[1].to(alpha_post.dtype), d_alphas[2].to(alpha_res.dtype))
 
 
 @mhc_coeffs_backward.register_fake
