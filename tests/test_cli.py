@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import pathlib
 import re
 import sys
@@ -220,9 +221,32 @@ def test_env_on_an_npu(fake_npu, capsys):
 def test_audit_needs_a_compiler_and_triton_ascend(capsys):
     assert cli.main(["audit"]) == 2
     assert "--ascend" in capsys.readouterr().err
+    assert cli.main(["audit", "--ascend", "--cuda"]) == 2
     # Stock Triton here: the audit says what it needs (its output comes from a child process).
     code = cli.main(["audit", "--ascend", "--ops", "rms_norm"])
     assert code == (0 if importlib.util.find_spec("triton.backends.ascend") else 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="Triton without NVIDIA")
+def test_cuda_audit_compiles_kernels_to_cubins_without_a_gpu():
+    """Stock Triton compiles for the GPU profiles with its own ptxas: a kernel NVIDIA's compiler
+    rejects fails CI on a machine without a GPU. Two small ops, in a child process (interpreter off)."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", "onca.audit", "--cuda", "--ops", "relu_squared,tvd"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert "compiled to a cubin (0 failures" in summary and "profiles h100" in summary
+    assert "ok   relu_squared." in done.stdout and "[h100; models:" in done.stdout
+
+
+def test_audit_covers_every_cuda_profile_architecture():
+    from onca import audit
+
+    gpus = {n for n, p in onca_device.PROFILES.items() if p.kind == "cuda"}
+    assert set(audit.CUDA_TARGETS) <= gpus and audit.CUDA_TARGETS
 
 
 def test_audit_covers_every_ascend_profile():

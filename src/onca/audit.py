@@ -1,4 +1,5 @@
-"""Compile every Onca kernel with triton-ascend, up to Linalg, without an NPU.
+"""Compile every Onca kernel without the device: with triton-ascend up to Linalg (``--ascend``), or
+with stock Triton for an NVIDIA GPU down to a cubin by Triton's own ptxas (``--cuda``).
 
 For each Ascend profile and each model configuration of an op's benchmark D2 sweep, the op's
 benchmark runs forward and backward on ``meta`` tensors while a recording stand-in replaces
@@ -10,9 +11,12 @@ Launches that compile identically (same kernel, signature, constexprs and compil
 compiled once, through triton-ascend's ``ttir`` and ``ttadapter`` (Linalg) stages. The next stage,
 ``bishengir-compile`` to an NPU binary, needs CANN and is not run here.
 
-Needs triton-ascend in place of stock Triton (``pip install triton-ascend==3.2.0 pybind11`` in its
-own environment) and ``TRITON_INTERPRET=0`` before Onca is imported, so that kernels are compiled
-``JITFunction``s rather than interpreted ones: run it as ``onca audit --ascend``.
+``--ascend`` needs triton-ascend in place of stock Triton (``pip install triton-ascend==3.2.0
+pybind11`` in its own environment). ``--cuda`` compiles with the installed Triton for each GPU
+profile's compute capability (the plans of that profile, the cubin Triton would launch), so a
+kernel that the interpreter runs but NVIDIA's compiler rejects fails on a machine without a GPU.
+Both need ``TRITON_INTERPRET=0`` before Onca is imported, so that kernels are compiled
+``JITFunction``s rather than interpreted ones: run them as ``onca audit --ascend`` / ``--cuda``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from onca import device
 from onca.bench import harness
 
-__all__ = ["ASCEND_TARGETS", "Launch", "collect", "compile_to_linalg", "main"]
+__all__ = ["ASCEND_TARGETS", "CUDA_TARGETS", "Launch", "collect", "compile_to_linalg", "compile_for_cuda", "main"]
 
 # Each Onca profile, as the chip name triton-ascend targets. The 950 family is "Ascend910_95xx"
 # there and is compiled with ``compile_on_910_95``; the 910B parts share one code path.
@@ -40,6 +44,9 @@ ASCEND_TARGETS = {
     "ascend910b4": "Ascend910B4",
     "ascend950": "Ascend910_9589",
 }
+# Each GPU profile audited with --cuda, as its compute capability (H200 shares the H100's plans' shape
+# limits and architecture; one is enough).
+CUDA_TARGETS = {"h100": 90}
 # triton-ascend refuses to launch a grid of more programs than this (runtime/jit.py).
 MAX_GRID = 65535
 # The benchmarks' training dtype, and fp32, which takes other paths (e.g. embedding's atomic backward).
@@ -57,6 +64,8 @@ class Launch:
     on_910_95: bool
     users: set = field(default_factory=set)
     max_grid: int = 0
+    cuda_options: object = None  # --cuda: the options Triton parsed for this launch (None: Ascend)
+    cuda_arch: int = 0  # --cuda: the compute capability compiled for
 
     @property
     def name(self) -> str:
@@ -70,7 +79,10 @@ class Launch:
 
     def describe_constants(self) -> str:
         names = {p.name for p in self.kernel.params if p.is_constexpr}
-        shown = {k: v for k, v in self.constants.items() if k in names}
+        # Stock Triton keys its constexprs by argument path ((index,)), triton-ascend by name.
+        constants = {(self.kernel.params[k[0]].name if isinstance(k, tuple) else k): v
+                     for k, v in self.constants.items()}
+        shown = {k: v for k, v in constants.items() if k in names}
         return ", ".join(f"{k}={getattr(v, 'name', v)}" for k, v in sorted(shown.items()))
 
 
@@ -112,6 +124,33 @@ def _recording(backend, on_910_95: bool, user: str, launches: dict):
         JITFunction.run = original
 
 
+@contextlib.contextmanager
+def _recording_cuda(backend, user: str, launches: dict):
+    """Replace kernel launches with recording their compilation inputs (as stock Triton's
+    ``JITFunction.run`` computes them for ``backend``'s target) into ``launches``."""
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    binders: dict = {}
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        binder = binders.get(kernel)
+        if binder is None:
+            binder = binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constants, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+        key = (kernel, tuple(signature.items()), repr(constants), repr(attrs), repr(options))
+        launch = launches.setdefault(key, Launch(kernel, signature, constants, attrs, False, cuda_options=options,
+                                                 cuda_arch=backend.target.arch))
+        launch.users.add(user)
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
 def _run_point(bench, params, dtype) -> None:
     """The op's forward and backward, as the benchmark's ``full`` mode runs them, on meta tensors."""
     inputs = bench.make_inputs(params, dtype, "meta")
@@ -121,26 +160,37 @@ def _run_point(bench, params, dtype) -> None:
     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
-def collect(ops: list[str], profiles: list[str]) -> tuple[dict, list[str]]:
-    """Every distinct compilation the ops' D2 sweeps need under ``profiles``, and the points that
-    could not be run (with their error)."""
-    from triton.backends.ascend.compiler import AscendBackend
+def _recorder(profile: str, launches: dict):
+    """``user -> context manager`` recording one point's launches for ``profile``'s compiler."""
     from triton.backends.compiler import GPUTarget
 
+    if profile in CUDA_TARGETS:
+        from triton.compiler import make_backend
+
+        backend = make_backend(GPUTarget("cuda", CUDA_TARGETS[profile], 32))
+        return lambda user: _recording_cuda(backend, user, launches)
+    from triton.backends.ascend.compiler import AscendBackend
+
+    backend = AscendBackend(GPUTarget("npu", ASCEND_TARGETS[profile], 0))
+    return lambda user: _recording(backend, profile == "ascend950", user, launches)
+
+
+def collect(ops: list[str], profiles: list[str]) -> tuple[dict, list[str]]:
+    """Every distinct compilation the ops' D2 sweeps need under ``profiles`` (Ascend or GPU ones),
+    and the points that could not be run (with their error)."""
     launches: dict = {}
     failures = []
     for profile in profiles:
         os.environ["ONCA_DEVICE_PROFILE"] = profile
         device.reset()
-        backend = AscendBackend(GPUTarget("npu", ASCEND_TARGETS[profile], 0))
-        on_910_95 = profile == "ascend950"
+        recording = _recorder(profile, launches)
         for op in ops:
             bench = harness.load(op)
             for sweep in bench.sweep("d2"):
                 for (model, params), dtype in itertools.product(sweep.points, DTYPES):
                     user = f"{profile}/{model}"
                     try:
-                        with _recording(backend, on_910_95, user, launches):
+                        with recording(user):
                             _run_point(bench, params, dtype)
                     except Exception as exc:  # reported with the point, the others still run
                         failures.append(f"FAIL {op} {user} {dtype}: not collected: "
@@ -167,6 +217,18 @@ def compile_to_linalg(launch: Launch) -> str:
     metadata = dict(options.__dict__)
     ttir = make_ttir(module, metadata, options)
     return ttir_to_linalg(ttir, metadata, options, named_ops=True)
+
+
+def compile_for_cuda(launch: Launch) -> object:
+    """Compile one launch with the installed Triton down to the cubin it would launch (Triton's own
+    ptxas; no GPU needed); returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    target = GPUTarget("cuda", launch.cuda_arch, 32)
+    source = ASTSource(launch.kernel, launch.signature, launch.constants, launch.attrs)
+    return triton.compile(source, target=target, options=launch.cuda_options.__dict__)
 
 
 def _error_message(exc: Exception) -> str:
@@ -196,6 +258,12 @@ def _check(launch: Launch) -> tuple[str | None, str | None]:
     compiler bug is seen but does not fail CI. An error the adapter reports, or a second crash, is
     a failure.
     """
+    if launch.cuda_options is not None:
+        try:
+            compile_for_cuda(launch)
+        except Exception as exc:  # any compiler failure is the audit's finding
+            return _error_message(exc), None
+        return None, None
     if launch.max_grid > MAX_GRID:
         return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}", None
     crash = None
@@ -218,8 +286,9 @@ def _line(status: str, launch: Launch) -> str:
             f"models: {models}] {launch.describe_constants()}")
 
 
-def run(ops: list[str], profiles: list[str], out=sys.stdout) -> int:
-    """Collect, compile and report; 0 when every launch reached Linalg, else 1."""
+def run(ops: list[str], profiles: list[str], out=sys.stdout, *, cuda: bool = False) -> int:
+    """Collect, compile and report; 0 when every launch compiled (to Linalg, or a cubin with
+    ``cuda``), else 1."""
     start = time.time()
     launches, failures = collect(ops, profiles)
     for failure in failures:
@@ -238,35 +307,48 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout) -> int:
             flaky += 1
             print(f"{_line('flaky', launch)}: compiled on the second try; first: {crash}", file=out, flush=True)
     kernels = len({la.kernel for la in launches.values()})
-    print(f"onca audit --ascend: {passed} of {len(launches)} compilations of {kernels} kernels reached "
-          f"Linalg ({len(failures)} failures, {flaky} compiled after an adapter crash; {len(ops)} ops, profiles {', '.join(profiles)}; "
-          f"{time.time() - start:.0f} s; the NPU binary stage needs CANN and was not run)", file=out)
+    if cuda:
+        reached = f"compiled to a cubin ({len(failures)} failures"
+        tail = "the kernels were not run"
+    else:
+        reached = f"reached Linalg ({len(failures)} failures, {flaky} compiled after an adapter crash"
+        tail = "the NPU binary stage needs CANN and was not run"
+    print(f"onca audit --{'cuda' if cuda else 'ascend'}: {passed} of {len(launches)} compilations of {kernels} "
+          f"kernels {reached}; {len(ops)} ops, profiles {', '.join(profiles)}; {time.time() - start:.0f} s; {tail})",
+          file=out)
     return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onca.audit", description=__doc__.splitlines()[0])
+    parser.add_argument("--cuda", action="store_true", help="compile for the GPU profiles with the installed Triton")
     parser.add_argument("--ops", help="comma-separated ops (default: every op with a benchmark)")
-    parser.add_argument("--profiles", help=f"comma-separated profiles (default: {', '.join(ASCEND_TARGETS)})")
+    parser.add_argument("--profiles", help=f"comma-separated profiles (default: {', '.join(ASCEND_TARGETS)}; "
+                                           f"with --cuda: {', '.join(CUDA_TARGETS)})")
     args = parser.parse_args(argv)
+    flag = "--cuda" if args.cuda else "--ascend"
     try:
-        import triton.backends.ascend.compiler  # noqa: F401
+        if args.cuda:
+            import triton.backends.nvidia.compiler  # noqa: F401
+        else:
+            import triton.backends.ascend.compiler  # noqa: F401
     except ImportError as exc:
-        print(f"onca audit --ascend needs triton-ascend in place of triton ({exc}); see README.md",
-              file=sys.stderr)
+        need = "Triton with its NVIDIA backend" if args.cuda else "triton-ascend in place of triton"
+        print(f"onca audit {flag} needs {need} ({exc}); see README.md", file=sys.stderr)
         return 2
     if device.interpreter_active():
-        print("onca audit --ascend: run with TRITON_INTERPRET=0 (interpreted kernels cannot be compiled)",
+        print(f"onca audit {flag}: run with TRITON_INTERPRET=0 (interpreted kernels cannot be compiled)",
               file=sys.stderr)
         return 2
+    targets = CUDA_TARGETS if args.cuda else ASCEND_TARGETS
     ops = args.ops.split(",") if args.ops else harness.list_ops()
-    profiles = args.profiles.split(",") if args.profiles else list(ASCEND_TARGETS)
-    unknown = [p for p in profiles if p not in ASCEND_TARGETS]
+    profiles = args.profiles.split(",") if args.profiles else list(targets)
+    unknown = [p for p in profiles if p not in targets]
     unknown += [op for op in ops if op not in harness.list_ops()]
     if unknown:
-        print(f"onca audit --ascend: unknown op or profile {', '.join(unknown)}", file=sys.stderr)
+        print(f"onca audit {flag}: unknown op or profile {', '.join(unknown)}", file=sys.stderr)
         return 2
-    return run(ops, profiles)
+    return run(ops, profiles, cuda=args.cuda)
 
 
 if __name__ == "__main__":

@@ -273,13 +273,14 @@ def _model_help() -> str:
 def cmd_audit(args) -> int:
     import subprocess
 
-    if not args.ascend:
-        print("onca audit: say which compiler to audit with (--ascend)", file=sys.stderr)
+    if args.ascend == args.cuda:
+        print("onca audit: say which compiler to audit with (--ascend or --cuda)", file=sys.stderr)
         return 2
     # Kernels must be compiled JITFunctions, not interpreted ones: a fresh process, interpreter off.
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     options = [arg for name in ("ops", "profiles") if getattr(args, name)
                for arg in (f"--{name}", getattr(args, name))]
+    options += ["--cuda"] if args.cuda else []
     return subprocess.call([sys.executable, "-m", "onca.audit", *options], env=env)
 
 
@@ -363,13 +364,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "compare --fsdp ...): tokens/s and peak memory per GPU")
     compare.add_argument("--output", help="also write the comparison as JSON to this path")
     compare.set_defaults(func=cmd_compare)
-    audit = sub.add_parser("audit", help="compile every kernel with triton-ascend, without an NPU", parents=[debug],
+    audit = sub.add_parser("audit", help="compile every kernel without the device: triton-ascend (--ascend) "
+                                         "or NVIDIA's compiler (--cuda)", parents=[debug],
                            description="Compile every kernel of the ops' D2 sweeps (model shapes), under "
-                                       "each Ascend profile's plan, with triton-ascend up to Linalg. Needs "
-                                       "triton-ascend installed in place of triton (see README.md).")
-    audit.add_argument("--ascend", action="store_true", help="audit with triton-ascend (required)")
+                                       "each profile's plan: --ascend with triton-ascend up to Linalg (needs "
+                                       "triton-ascend installed in place of triton, see README.md); --cuda "
+                                       "with the installed Triton down to a cubin, no GPU needed.")
+    audit.add_argument("--ascend", action="store_true", help="audit with triton-ascend, up to Linalg")
+    audit.add_argument("--cuda", action="store_true",
+                       help="audit with the installed Triton for the GPU profiles, down to a cubin")
     audit.add_argument("--ops", help="comma-separated ops (default: all)")
-    audit.add_argument("--profiles", help="comma-separated Ascend profiles (default: all)")
+    audit.add_argument("--profiles", help="comma-separated profiles (default: all of the compiler's)")
     audit.set_defaults(func=cmd_audit)
     return parser
 
