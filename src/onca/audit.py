@@ -91,10 +91,21 @@ def _launch_key(kernel, signature, constants, on_910_95) -> tuple:
 
 
 @contextlib.contextmanager
+def _launches_replaced_by(record):
+    """Every ``kernel[grid](...)`` calls ``record`` instead of launching, while inside."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
 def _recording(backend, on_910_95: bool, user: str, launches: dict):
     """Replace kernel launches with recording their compilation inputs (as triton-ascend's
     ``JITFunction.run`` computes them) into ``launches``."""
-    from triton.runtime.jit import JITFunction
 
     def record(kernel, *args, grid, warmup, **kwargs):
         if kernel.binder is None:
@@ -116,19 +127,13 @@ def _recording(backend, on_910_95: bool, user: str, launches: dict):
         launch.users.add(user)
         launch.max_grid = max(launch.max_grid, programs)
 
-    original = JITFunction.run
-    JITFunction.run = record
-    try:
-        yield
-    finally:
-        JITFunction.run = original
+    return _launches_replaced_by(record)
 
 
-@contextlib.contextmanager
 def _recording_cuda(backend, user: str, launches: dict):
     """Replace kernel launches with recording their compilation inputs (as stock Triton's
     ``JITFunction.run`` computes them for ``backend``'s target) into ``launches``."""
-    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from triton.runtime.jit import create_function_from_signature
 
     binders: dict = {}
 
@@ -143,12 +148,7 @@ def _recording_cuda(backend, user: str, launches: dict):
                                                  cuda_arch=backend.target.arch))
         launch.users.add(user)
 
-    original = JITFunction.run
-    JITFunction.run = record
-    try:
-        yield
-    finally:
-        JITFunction.run = original
+    return _launches_replaced_by(record)
 
 
 def _run_point(bench, params, dtype) -> None:

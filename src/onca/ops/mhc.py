@@ -246,6 +246,21 @@ def _residual_softmax(proj_ptr, b_ptr, rows64, valid, square, res_cols, invr, a_
 
 
 @triton.jit
+def _shared_coefficients(b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, hc, HC_BLOCK: tl.constexpr):
+    """What every token of both passes shares: the stream offsets, the ``HC x HC`` block's offsets
+    and mask, the three alphas and the pre/post biases (fp32)."""
+    hs = tl.arange(0, HC_BLOCK)
+    res_cols = hs[:, None] * hc + hs[None, :]
+    square = (hs < hc)[:, None] & (hs < hc)[None, :]
+    a_pre = tl.load(a_pre_ptr).to(tl.float32)
+    a_post = tl.load(a_post_ptr).to(tl.float32)
+    a_res = tl.load(a_res_ptr).to(tl.float32)
+    b_pre = tl.load(b_ptr + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    b_post = tl.load(b_ptr + hc + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    return hs, res_cols, square, a_pre, a_post, a_res, b_pre, b_post
+
+
+@triton.jit
 def _mhc_coeffs_forward_kernel(
     x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, pre_ptr, post_ptr, res_ptr,
     n_rows, hc, k_cols, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult,
@@ -255,14 +270,8 @@ def _mhc_coeffs_forward_kernel(
     factor from ``x``, the two sigmoids and the softmax plus Sinkhorn iterations, in registers."""
     pid = tl.program_id(0)
     m_cols = hc * hc + 2 * hc
-    hs = tl.arange(0, HC_BLOCK)
-    res_cols = hs[:, None] * hc + hs[None, :]
-    square = (hs < hc)[:, None] & (hs < hc)[None, :]
-    a_pre = tl.load(a_pre_ptr).to(tl.float32)
-    a_post = tl.load(a_post_ptr).to(tl.float32)
-    a_res = tl.load(a_res_ptr).to(tl.float32)
-    b_pre = tl.load(b_ptr + hs, mask=hs < hc, other=0.0).to(tl.float32)
-    b_post = tl.load(b_ptr + hc + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    hs, res_cols, square, a_pre, a_post, a_res, b_pre, b_post = _shared_coefficients(
+        b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, hc, HC_BLOCK)
     for row_block in tl.range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
@@ -300,14 +309,8 @@ def _mhc_coeffs_backward_kernel(
     in registers, cheaper than a round trip through memory for the few hundred values per token)."""
     pid = tl.program_id(0)
     m_cols = hc * hc + 2 * hc
-    hs = tl.arange(0, HC_BLOCK)
-    res_cols = hs[:, None] * hc + hs[None, :]
-    square = (hs < hc)[:, None] & (hs < hc)[None, :]
-    a_pre = tl.load(a_pre_ptr).to(tl.float32)
-    a_post = tl.load(a_post_ptr).to(tl.float32)
-    a_res = tl.load(a_res_ptr).to(tl.float32)
-    b_pre = tl.load(b_ptr + hs, mask=hs < hc, other=0.0).to(tl.float32)
-    b_post = tl.load(b_ptr + hc + hs, mask=hs < hc, other=0.0).to(tl.float32)
+    hs, res_cols, square, a_pre, a_post, a_res, b_pre, b_post = _shared_coefficients(
+        b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, hc, HC_BLOCK)
     db_pre = tl.zeros([HC_BLOCK], dtype=tl.float32)
     db_post = tl.zeros([HC_BLOCK], dtype=tl.float32)
     db_res = tl.zeros([HC_BLOCK, HC_BLOCK], dtype=tl.float32)
