@@ -29,6 +29,8 @@ def stubbed_launches(counter: list):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    from onca.ops._launch import through_triton
+
     def run(self, *args, grid, warmup, **kwargs):
         counter[0] += 1
 
@@ -36,7 +38,8 @@ def stubbed_launches(counter: list):
     for cls in originals:
         cls.run = run
     try:
-        yield
+        with through_triton():
+            yield
     finally:
         for cls, original in originals.items():
             cls.run = original

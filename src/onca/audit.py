@@ -95,10 +95,13 @@ def _launches_replaced_by(record):
     """Every ``kernel[grid](...)`` calls ``record`` instead of launching, while inside."""
     from triton.runtime.jit import JITFunction
 
+    from onca.ops._launch import through_triton
+
     original = JITFunction.run
     JITFunction.run = record
     try:
-        yield
+        with through_triton():
+            yield
     finally:
         JITFunction.run = original
 

@@ -63,6 +63,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._matmul import has_fp32_out_dtype
 from onca.ops._rows import as_rows
 from onca.ops._validate import (
@@ -114,6 +115,7 @@ def _head_transform(x, pre, post, HAS_SOFTCAP: tl.constexpr):
     return x * post
 
 
+@fast_launch
 @triton.jit
 def _logprob_stats_kernel(
     x_ptr, target_ptr, logp_ptr, lse_ptr, ent_ptr, sq_ptr, mean_ptr, top1_ptr,
@@ -195,6 +197,7 @@ def _logprob_stats_kernel(
             tl.store(top1_ptr + rows, top1.to(tl.int8), mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _logprob_grad_kernel(
     x_ptr, grad_ptr, target_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import Op, custom_op, register_autograd, tracing
+from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
@@ -106,6 +107,7 @@ def _scaled_gate(a, gate_multiplier, DTYPE: tl.constexpr):
     return (a.to(tl.float32) * gate_multiplier).to(DTYPE).to(tl.float32)
 
 
+@fast_launch
 @triton.jit
 def _glu_forward_kernel(
     a_ptr, b_ptr, c_ptr,
@@ -139,6 +141,7 @@ def _glu_forward_kernel(
             tl.store(c_rows + cols, (h * b * down_multiplier).to(DTYPE), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _glu_backward_kernel(
     dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, c_ptr,

@@ -19,9 +19,11 @@ import triton
 import triton.language as tl
 
 from onca.device import get_profile
+from onca.ops._launch import fast_launch
 from onca.tiling import plan_rows
 
 
+@fast_launch
 @triton.jit
 def _sum_partials_kernel(src_ptr, dst_ptr, n_rows, n_cols,
                          BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):

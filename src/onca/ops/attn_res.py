@@ -52,6 +52,7 @@ from onca.device import DeviceProfile
 from torch import Tensor
 
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._rows import rows_cols
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
@@ -98,6 +99,7 @@ def _score(v, u, n_cols, eps):
     return rstd, p, rstd * p
 
 
+@fast_launch
 @triton.jit
 def _attn_res_forward_kernel(
     v_ptr, wq_ptr, wn_ptr, h_ptr,
@@ -211,6 +213,7 @@ def _pick(x, sel):
     return tl.sum(tl.where(sel, x, 0.0), axis=1)
 
 
+@fast_launch
 @triton.jit
 def _attn_res_backward_kernel(
     v_ptr, wq_ptr, wn_ptr, dh_ptr, dv_ptr, g_partial_ptr,

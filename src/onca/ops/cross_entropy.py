@@ -67,6 +67,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import (
     check_bool,
@@ -153,6 +154,7 @@ def _gradient(p, x, cols, y, p_coef, off, y_coef, w, softcap, HAS_SOFTCAP: tl.co
     return g
 
 
+@fast_launch
 @triton.jit
 def _cross_entropy_kernel(
     x_ptr, target_ptr, grad_ptr, loss_ptr, z_ptr, lse_ptr, pred_ptr, scale_ptr, z_scale_ptr,
@@ -347,6 +349,7 @@ def _cross_entropy_kernel(
                              mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_launch
 @triton.jit
 def _rescale_kernel(
     x_ptr, out_ptr, g_ptr, applied_ptr,
@@ -457,6 +460,7 @@ def cross_entropy_rows(
 N_VALID, WEIGHT_TOTAL, TARGET_WEIGHT_SUM, SCALE, Z_SCALE = range(5)
 
 
+@fast_launch
 @triton.jit
 def _target_stats_kernel(target_ptr, weight_ptr, grad_ptr, stats_ptr, n_rows, n_classes, ignore_index,
                          HAS_WEIGHT: tl.constexpr, HAS_GRAD: tl.constexpr, MEAN: tl.constexpr,
@@ -501,6 +505,7 @@ def _target_stats_kernel(target_ptr, weight_ptr, grad_ptr, stats_ptr, n_rows, n_
     tl.store(stats_ptr + 4, z_scale)
 
 
+@fast_launch
 @triton.jit
 def _reduce_loss_kernel(ce_ptr, z_ptr, stats_ptr, predicted_ptr, target_ptr, loss_ptr, z_loss_ptr,
                         accuracy_ptr, n_rows, ignore_index,

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
 from onca.ops._rows import as_rows
@@ -58,6 +59,7 @@ def _alpha(alpha_ptr, cols, col_mask, ALPHA_PER_CHANNEL: tl.constexpr):
     return a
 
 
+@fast_launch
 @triton.jit
 def _dyt_forward_kernel(
     x_ptr, alpha_ptr, w_ptr, b_ptr, y_ptr,
@@ -89,6 +91,7 @@ def _dyt_forward_kernel(
             tl.store(y_ptr + rows64 * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _dyt_backward_kernel(
     dy_ptr, x_ptr, alpha_ptr, w_ptr, dx_ptr,

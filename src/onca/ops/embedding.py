@@ -53,6 +53,7 @@ from onca.device import DeviceProfile, get_profile
 from torch import Tensor
 
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_same_device
 from onca.tiling import RowPlan, plan_rows
 
@@ -80,6 +81,7 @@ class IndexOutOfRangeError(IndexError, ValueError):
 # ----------------------------------------------------------------------------------------- kernels
 
 
+@fast_launch
 @triton.jit
 def _embedding_forward_kernel(
     idx_ptr, w_ptr, y_ptr,
@@ -120,6 +122,7 @@ def _embedding_forward_kernel(
                      mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_launch
 @triton.jit
 def _embedding_backward_atomic_kernel(
     idx_ptr, dy_ptr, dw_ptr,
@@ -155,6 +158,7 @@ def _embedding_backward_atomic_kernel(
                           mask=mask, sem="relaxed")
 
 
+@fast_launch
 @triton.jit
 def _embedding_backward_segment_kernel(
     perm_ptr, offsets_ptr, dy_ptr, dw_ptr,
@@ -196,6 +200,7 @@ def _embedding_backward_segment_kernel(
                  acc.to(dw_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@fast_launch
 @triton.jit
 def _embedding_backward_few_tokens_kernel(
     idx_ptr, dy_ptr, dw_ptr,

@@ -54,6 +54,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_number, check_same_device, check_tensor
 from onca.tiling import MatmulPlan, RowPlan, next_power_of_2, plan_matmul, plan_rows
 
@@ -127,6 +128,7 @@ def _expert_tile(pid_m, info_ptr, n_experts, BLOCK_M: tl.constexpr, E_BLOCK: tl.
     return e, row0, seg_end
 
 
+@fast_launch
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, order_ptr, w_ptr, bias_ptr, info_ptr,
@@ -234,6 +236,7 @@ def _moe_gemm_kernel(
                      y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _moe_weight_grad_kernel(
     l_ptr, r_ptr, order_ptr, weights_ptr, info_ptr, dw_ptr, db_ptr,
@@ -304,6 +307,7 @@ def _moe_weight_grad_kernel(
             tl.store(db_ptr + e64 * db_stride_e + ns, bias_acc, mask=tl.where(pid_k == 0, n_mask, False))
 
 
+@fast_launch
 @triton.jit
 def _moe_combine_kernel(
     y_ptr, inv_ptr, weights_ptr, info_ptr, out_ptr,

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._partials import sum_partials
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
@@ -65,6 +66,7 @@ def _channel_params(w_ptr, b_ptr, channels, ch_mask, HAS_WEIGHT: tl.constexpr, H
     return w, b
 
 
+@fast_launch
 @triton.jit
 def _group_norm_forward_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
@@ -121,6 +123,7 @@ def _group_norm_forward_kernel(
         tl.store(rstd_ptr + group, rstd)
 
 
+@fast_launch
 @triton.jit
 def _group_norm_backward_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr,

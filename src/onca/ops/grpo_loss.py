@@ -54,6 +54,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_number, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
 
@@ -67,6 +68,7 @@ LOSS_TYPES = {"grpo": 0, "dapo": 0, "bnpo": 0, "dr_grpo": 0, "luspo": 0, "cispo"
 TILES = dict(live_tiles=2, fp32_tiles=3)
 
 
+@fast_launch
 @triton.jit
 def _grpo_forward_kernel(
     x_ptr, ids_ptr, adv_ptr, old_ptr, ref_ptr, mask_ptr, ratio_ptr,
@@ -163,6 +165,7 @@ def _grpo_forward_kernel(
         tl.store(coef_ptr + rows64, tl.where(valid, coef, 0.0), mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _grpo_backward_kernel(
     x_ptr, g_ptr, ids_ptr, lse_ptr, coef_ptr, dloss_ptr,

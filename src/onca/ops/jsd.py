@@ -50,6 +50,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import (
     check_bool,
@@ -128,6 +129,7 @@ def _lse_finish(m, s):
     return tl.where(s == 0.0, 0.0, shift + tl.log(tl.where(s == 0.0, 1.0, s)))
 
 
+@fast_launch
 @triton.jit
 def _jsd_kernel(
     x_ptr, y_ptr, labels_ptr, g_ptr, dx_ptr, loss_ptr,

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
@@ -67,6 +68,7 @@ _LOSS_NONE, _LOSS_ELEMENTWISE, _LOSS_ROW_SUMS = 0, 1, 2
 # ----------------------------------------------------------------------------------------- kernels
 
 
+@fast_launch
 @triton.jit
 def _kl_div_kernel(
     x_ptr, t_ptr, g_ptr, loss_ptr, dx_ptr, dt_ptr,

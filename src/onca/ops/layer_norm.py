@@ -35,6 +35,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
 from onca.ops._rows import as_rows
@@ -64,6 +65,7 @@ def _affine(xhat, w_ptr, b_ptr, cols, col_mask, HAS_WEIGHT: tl.constexpr, HAS_BI
     return y
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_forward_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
@@ -132,6 +134,7 @@ def _layer_norm_forward_kernel(
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_backward_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,

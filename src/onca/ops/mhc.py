@@ -37,6 +37,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._validate import check_float, check_number, check_same_device, check_tensor
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
@@ -56,6 +57,7 @@ def _post_tiles(hc: int) -> dict:
 # ----------------------------------------------------------------------------------------- kernels
 
 
+@fast_launch
 @triton.jit
 def _mhc_pre_forward_kernel(
     x_ptr, h_ptr, out_ptr, n_rows, n_cols, hc,
@@ -82,6 +84,7 @@ def _mhc_pre_forward_kernel(
                      mask=row_mask[:, None] & (cols < n_cols)[None, :])
 
 
+@fast_launch
 @triton.jit
 def _mhc_pre_backward_kernel(
     dout_ptr, x_ptr, h_ptr, dx_ptr, dh_ptr, n_rows, n_cols, hc,
@@ -112,6 +115,7 @@ def _mhc_pre_backward_kernel(
         tl.store(dh_ptr + rows64[:, None] * hc + hs[None, :], dh, mask=hmask)
 
 
+@fast_launch
 @triton.jit
 def _mhc_post_res_forward_kernel(
     x_ptr, f_ptr, hpost_ptr, hres_ptr, out_ptr, n_rows, n_cols, hc,
@@ -145,6 +149,7 @@ def _mhc_post_res_forward_kernel(
             tl.store(out_ptr + offs3, out.to(out_ptr.dtype.element_ty), mask=mask3)
 
 
+@fast_launch
 @triton.jit
 def _mhc_post_res_backward_kernel(
     dout_ptr, x_ptr, f_ptr, hpost_ptr, hres_ptr, dx_ptr, df_ptr, dhpost_ptr, dhres_ptr, n_rows, n_cols, hc,
@@ -260,6 +265,7 @@ def _shared_coefficients(b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, hc, HC_BLOCK: 
     return hs, res_cols, square, a_pre, a_post, a_res, b_pre, b_post
 
 
+@fast_launch
 @triton.jit
 def _mhc_coeffs_forward_kernel(
     x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, pre_ptr, post_ptr, res_ptr,
@@ -293,6 +299,7 @@ def _mhc_coeffs_forward_kernel(
         tl.store(res_ptr + rows64[:, None, None] * (hc * hc) + res_cols[None, :, :], mat, mask=valid)
 
 
+@fast_launch
 @triton.jit
 def _mhc_coeffs_backward_kernel(
     x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, d_pre_ptr, d_post_ptr, d_res_ptr,

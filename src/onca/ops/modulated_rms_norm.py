@@ -35,6 +35,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import as_rows, rows_cols
@@ -75,6 +76,7 @@ def _rms_output(x, rstd, w, offset, HAS_WEIGHT: tl.constexpr, CASTING: tl.conste
     return n, r
 
 
+@fast_launch
 @triton.jit
 def _modulated_rms_norm_forward_kernel(
     x_ptr, w_ptr, scale_ptr, shift_ptr, y_ptr, rstd_ptr,
@@ -128,6 +130,7 @@ def _modulated_rms_norm_forward_kernel(
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _modulated_rms_norm_backward_kernel(
     dy_ptr, x_ptr, w_ptr, scale_ptr, rstd_ptr, dx_ptr, dscale_ptr, dshift_ptr, dw_partial_ptr, c_ptr,
@@ -230,6 +233,7 @@ def _modulated_rms_norm_backward_kernel(
             accumulate_partial(dw_row, cols, dw_acc, col_mask, False)
 
 
+@fast_launch
 @triton.jit
 def _sum_slots_kernel(
     ds_slots_ptr, dsh_slots_ptr, dscale_ptr, dshift_ptr,

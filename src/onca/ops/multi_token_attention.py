@@ -39,6 +39,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
@@ -77,6 +78,7 @@ def _support_sums(z, tau):
     return tl.sum(tl.where(s, z, 0.0), axis=1), tl.sum(s.to(tl.float32), axis=1)
 
 
+@fast_launch
 @triton.jit
 def _causal_activation_forward_kernel(
     x_ptr, p_ptr, n_rows, n_cols, x_row_stride, p_row_stride, seq_len,
@@ -166,6 +168,7 @@ def _causal_activation_forward_kernel(
                          mask=row_mask[:, None] & (cols < n_cols)[None, :])
 
 
+@fast_launch
 @triton.jit
 def _causal_activation_backward_kernel(
     g_ptr, p_ptr, dx_ptr, n_rows, n_cols, g_row_stride, p_row_stride, dx_row_stride, seq_len,
@@ -214,6 +217,7 @@ def _causal_activation_backward_kernel(
                      mask=row_mask[:, None] & (cols < n_cols)[None, :])
 
 
+@fast_launch
 @triton.jit
 def _upper_zero_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride, height,

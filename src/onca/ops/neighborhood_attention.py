@@ -38,6 +38,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, TilingError, next_power_of_2, plan_rows
 
@@ -61,6 +62,7 @@ def _row_bases(rows, seq_len, n_heads, batch_stride, head_stride):
     return base, pos
 
 
+@fast_launch
 @triton.jit
 def _neighborhood_forward_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
@@ -110,6 +112,7 @@ def _neighborhood_forward_kernel(
         tl.store(lse_ptr + rows, tl.where(row_mask, m, 0.0) + tl.log(den), mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _neighborhood_dq_kernel(
     do_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dq_ptr,
@@ -159,6 +162,7 @@ def _neighborhood_dq_kernel(
         tl.store(delta_ptr + rows, delta, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _neighborhood_dkv_kernel(
     do_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import as_rows, rows_cols
@@ -84,6 +85,7 @@ def _poly_dx(x, dy, r1, r2, r3, m1, m2, m3, w1, w2, w3):
     return dx
 
 
+@fast_launch
 @triton.jit
 def _poly_norm_forward_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr,
@@ -142,6 +144,7 @@ def _poly_norm_forward_kernel(
         tl.store(rstd_rows + 2, r3, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _poly_norm_backward_kernel(
     dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, grads_partial_ptr,

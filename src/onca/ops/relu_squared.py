@@ -20,6 +20,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_float
 from onca.tiling import RowPlan, plan_rows
@@ -41,6 +42,7 @@ def _relu(x):
     return tl.where(x > 0.0, x, tl.where(x != x, x, 0.0))
 
 
+@fast_launch
 @triton.jit
 def _relu_squared_kernel(
     x_ptr, dy_ptr, out_ptr, n_rows, n_cols, x_row_stride, dy_row_stride, out_row_stride,

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
 from onca.ops._rows import as_rows
@@ -101,6 +102,7 @@ def _scale(n, w, offset, HAS_WEIGHT: tl.constexpr, CASTING: tl.constexpr, X_DTYP
     return n
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
@@ -163,6 +165,7 @@ def _residual_grad(dx, dres_ptr, rows64, dres_row_stride, cols, mask, HAS_RESIDU
     return dx
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_backward_kernel(
     dy_ptr, dres_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr,

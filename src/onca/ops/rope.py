@@ -50,6 +50,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
@@ -112,6 +113,7 @@ def _copy_heads(
                  x.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rope_kernel(
     xq_ptr, xk_ptr, yq_ptr, yk_ptr, cos_ptr, sin_ptr,

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops._launch import fast_launch
 from onca.ops._row_map import plans, register_row_map
 from onca.ops._rows import as_rows_over, from_rows_over
 from onca.ops._validate import check_dim, check_float
@@ -40,6 +41,7 @@ BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3)
 # ----------------------------------------------------------------------------------------- kernels
 
 
+@fast_launch
 @triton.jit
 def _softmax_forward_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
@@ -84,6 +86,7 @@ def _softmax_forward_kernel(
                 tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _softmax_backward_kernel(
     dy_ptr, y_ptr, dx_ptr, n_rows, n_cols, dy_row_stride, y_row_stride, dx_row_stride,

@@ -37,6 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops._launch import fast_launch
 from onca.ops._row_map import plans, register_row_map
 from onca.ops._rows import as_rows_over, from_rows_over
 from onca.ops._validate import check_dim, check_float
@@ -79,6 +80,7 @@ def _step_update(lo, hi, mid, s, k, f):
     return new_lo, new_hi
 
 
+@fast_launch
 @triton.jit
 def _sparsemax_forward_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
@@ -167,6 +169,7 @@ def _support_grad(y_rows, dy_rows, dx_rows, cols, mask, mean):
     tl.store(dx_rows + cols[None, :], dx.to(dx_rows.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _sparsemax_backward_kernel(
     dy_ptr, y_ptr, dx_ptr, n_rows, n_cols, dy_row_stride, y_row_stride, dx_row_stride,

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_float, check_same_device, check_tensor
 from onca.ops.jsd import check_ignore_index, check_labels, token_scale
@@ -63,6 +64,7 @@ _LOSS_NONE, _LOSS_ELEMENTWISE, _LOSS_ROW_SUMS = 0, 1, 2
 # ----------------------------------------------------------------------------------------- kernels
 
 
+@fast_launch
 @triton.jit
 def _tvd_kernel(
     p_ptr, q_ptr, labels_ptr, g_ptr, loss_ptr, dp_ptr, dq_ptr,
