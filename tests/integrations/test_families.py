@@ -6,7 +6,8 @@ The twelve original families also have the longer convergence run of ``test_conv
 one is short (two steps, a step's gradients compared) so that all the families fit the CPU budget.
 Gradients are compared per parameter relative to the parameter's gradient norm, with a floor of
 1e-6 of the whole model's gradient norm: a router or key bias whose gradient is mathematically zero
-(~1e-10 here, rounding noise) is not held to a relative bound.
+(~1e-10 here, rounding noise) is not held to a relative bound. What misses these bounds is judged
+again against the unpatched model run in float64 (see the test's docstring).
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def _loss(model_type, model, inputs):
     return model(**inputs, labels=inputs["input_ids"]).loss
 
 
+def skip_if_the_original_fails(model_type, model, inputs):
+    """Skip when transformers' own unpatched model cannot run these inputs: there is nothing to
+    compare with (transformers 5.24's Llama4ForConditionalGeneration reads ``image_outputs`` from
+    its language model's output, which has no such field)."""
+    try:
+        with torch.no_grad():
+            _loss(model_type, model, inputs)
+    except AttributeError as e:
+        pytest.skip(f"transformers {transformers.__version__}'s own {model_type} model fails: {e}")
+
+
 def _run(model_type, model, inputs):
     """The loss of each of ``STEPS`` steps (AdamW updates between them; the last loss is a forward
     only) and the first step's gradients."""
@@ -83,14 +95,65 @@ def _params():
         yield pytest.param(model_type, torch.bfloat16, id=f"{model_type}-bf16", marks=marks)
 
 
+def _state(losses, grads, model) -> dict[str, torch.Tensor]:
+    """What a run is judged by, in float64: each step's loss, the first step's gradients and the
+    final weights."""
+    state = {f"loss at step {i}": torch.tensor(v, dtype=torch.float64) for i, v in enumerate(losses)}
+    state.update({f"gradient {n}": g.cpu() for n, g in grads.items()})
+    state.update({f"weight {n}": p.detach().double().cpu() for n, p in model.named_parameters()})
+    return state
+
+
+def _allowance(dtype, ref_state):
+    """How far a patched run's quantity may be from the same quantity of a run it is compared to."""
+    loss_rtol, grad_tol, weight_tol = TOL[dtype]
+    grads = [v for k, v in ref_state.items() if k.startswith("gradient ")]
+    floor = 1e-6 * torch.stack([g.norm() for g in grads]).norm()
+    adam_bound = 2 * LR * (STEPS - 1)
+
+    def allowed(name, ref):
+        if name.startswith("loss "):
+            return loss_rtol * (1 + ref.abs())
+        if name.startswith("gradient "):
+            return grad_tol * ref.norm() + floor
+        # A weight moved only by noise-sized gradients (see the floor) may differ by AdamW's step.
+        return weight_tol * ref.norm() + adam_bound * ref.numel() ** 0.5
+
+    return allowed
+
+
+def _misses(state, ref_state, allowed):
+    return {n: (state[n] - ref_state[n]).norm() for n in ref_state
+            if (state[n] - ref_state[n]).norm() > allowed(n, ref_state[n])}
+
+
+def _truth(model_type, pristine, inputs):
+    """The unpatched model run in float64, with Hugging Face's eager experts loop (on a GPU its
+    grouped_mm path does not take float64, and its fp32 products are not float64's)."""
+    truth = pristine.double()
+    if hasattr(truth.config, "_experts_implementation"):
+        truth.config._experts_implementation = "eager"
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    return _state(*_run(model_type, truth, inputs), truth)
+
+
 @pytest.mark.parametrize("model_type,dtype", list(_params()))
 def test_family_trains_like_the_original(model_type, dtype, device):
+    """The patched run is within ``TOL`` of the original's. Where it is not, both are judged against
+    the float64 truth: the patched run may then be as far from the truth as the original is, twice
+    over. A MoE router's top-k is discontinuous: a token whose two best experts are within rounding
+    of each other picks either, and which one it picks moves the router's gradient by more than
+    any tolerance (bf16 at GPU scale; on the GPU also fp32, where the original's experts run through
+    grouped_mm and its patch embeddings through cuDNN's TF32 convolutions). Against the truth, a
+    kernel error still shows: it adds to the patched run's distance and not to the original's."""
     reference, config = _build(model_type, dtype, device)
     twin = copy.deepcopy(reference)
+    pristine = copy.deepcopy(reference)
     g = torch.Generator().manual_seed(1)
     inputs = {k: v.to(device) if v.is_floating_point() is False else v.to(device=device, dtype=dtype)
               for k, v in multimodal.inputs(model_type, config, BATCH, SEQ, g).items()}
-    ref_losses, ref_grads = _run(model_type, reference, inputs)
+    skip_if_the_original_fails(model_type, reference, inputs)
+    ref_state = _state(*_run(model_type, reference, inputs), reference)
     patched = onca.apply(twin)
     try:
         kernels = patched._onca_kernels
@@ -98,25 +161,21 @@ def test_family_trains_like_the_original(model_type, dtype, device):
         assert kernels.get("rms_norm", 0) + kernels.get("layer_norm", 0) > 0
         if family.causal_lm_class is not None and model_type not in ENCODERS:
             assert kernels.get("fused_linear_cross_entropy") == 1
-        losses, grads = _run(model_type, patched, inputs)
+        state = _state(*_run(model_type, patched, inputs), patched)
     finally:
         onca.unapply(patched)
-    loss_rtol, grad_tol, weight_tol = TOL[dtype]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=loss_rtol)
-    assert grads.keys() == ref_grads.keys()
-    floor = 1e-6 * torch.stack([g.norm() for g in ref_grads.values()]).norm()
-    for name, grad in grads.items():
-        ref = ref_grads[name]
-        gap = (grad - ref).norm()
-        assert gap <= grad_tol * ref.norm() + floor, f"{model_type} gradient {name}: {gap:.2e} vs {ref.norm():.2e}"
-    ref_params = dict(reference.named_parameters())
-    adam_bound = 2 * LR * (STEPS - 1)
-    for name, p in patched.named_parameters():
-        ref = ref_params[name].detach().double()
-        gap = (p.detach().double() - ref).norm()
-        # A weight moved only by noise-sized gradients (see the floor above) may differ by AdamW's step.
-        bound = weight_tol * ref.norm() + adam_bound * ref.numel() ** 0.5
-        assert gap <= bound, f"{model_type} weight {name}: {gap:.2e} apart"
+    assert state.keys() == ref_state.keys()
+    misses = _misses(state, ref_state, _allowance(dtype, ref_state))
+    if not misses:
+        return
+    truth = _truth(model_type, pristine, inputs)
+    allowed = _allowance(dtype, truth)
+    for name in misses:
+        original = (ref_state[name] - truth[name]).norm()
+        gap = (state[name] - truth[name]).norm()
+        assert gap <= allowed(name, truth[name]) + 2 * original, (
+            f"{model_type} {name}: {misses[name]:.2e} from the original's; from the float64 truth "
+            f"{gap:.2e}, the original {original:.2e} (norm {truth[name].norm():.2e})")
 
 
 def test_supported_model_types_lists_every_available_family():
@@ -163,11 +222,11 @@ def test_compare_presets_build_the_real_shapes(model_type, preset):
         assert getattr(text, key) == value
 
 
-def test_compare_reports_the_kernels_that_ran():
+def test_compare_reports_the_kernels_that_ran(device):
     from onca.integrations.transformers import compare
 
     settings = compare.Settings(model="smollm3", steps=2, batch=1, seq=8, warmup_steps=1,
-                                variants=("huggingface", "onca"))
+                                variants=("huggingface", "onca"), device=device)
     results, config = compare.run(settings, show_progress=False)
     assert all(r.ok for r in results), [r.error for r in results]
     onca_run = results[1]
