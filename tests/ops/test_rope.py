@@ -276,6 +276,17 @@ def test_overwrite_grad_output_reuses_gradients(device, layout):
         assert torch.equal(g, e)
 
 
+def test_overwritten_gradient_becomes_the_leaf_gradient_without_a_copy(device):
+    """With overwrite_grad_output, q.grad and k.grad are the incoming gradients' storage even while
+    the caller still holds those tensors (autograd copies a gradient it cannot take over)."""
+    q, k, cos, sin = make(BASE, torch.bfloat16, device, 1)
+    q1, k1 = leaf(q), leaf(k)
+    outs = rotary_pos_emb(q1, k1, cos, sin, overwrite_grad_output=True)
+    grads = tuple(torch.randn_like(t) for t in outs)
+    torch.autograd.backward(outs, grads)
+    assert q1.grad.data_ptr() == grads[0].data_ptr() and k1.grad.data_ptr() == grads[1].data_ptr()
+
+
 def test_cos_sin_get_no_gradient_and_unused_output(device):
     q, k, cos, sin = make(BASE, torch.float32, device)
     cos, sin = leaf(cos), leaf(sin)

@@ -71,30 +71,49 @@ TILES = dict(live_tiles=4, fp32_tiles=4 + 8)
 @triton.jit
 def _rotate_heads(
     x_ptr, y_ptr, x_tok, y_tok, row_mask, n_heads, x_sh, y_sh,
-    j, j_mask, c1, c2, a, b,
-    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
+    j0, j, j_mask, c1, c2, a, b,
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     """Rotate every head of the tokens ``x_tok`` (row offsets) in blocks of ``BLOCK_H`` heads; the
-    pair of column ``j`` is ``(j, j + HALF)``, or ``(2j, 2j + 1)`` when ``INTERLEAVED``."""
-    if INTERLEAVED:
-        first = 2 * j
-        second = 1
-    else:
-        first = j
-        second = HALF
+    pair of column ``j`` (``j0 + arange(BLOCK_J)``) is ``(j, j + HALF)``, or ``(2j, 2j + 1)`` when
+    ``INTERLEAVED``."""
     h_range = tl.arange(0, BLOCK_H)
     for h0 in tl.range(0, n_heads, BLOCK_H):
         heads = h0 + h_range
         h64 = heads.to(tl.int64)
         mask = row_mask[:, None, None] & (heads < n_heads)[None, :, None] & j_mask[None, None, :]
-        x_off = x_tok[:, None, None] + (h64 * x_sh)[None, :, None] + first[None, None, :]
-        y_off = y_tok[:, None, None] + (h64 * y_sh)[None, :, None] + first[None, None, :]
-        x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + x_off + second, mask=mask, other=0.0).to(tl.float32)
-        y1 = x1 * c1 + x2 * a
-        y2 = x2 * c2 + x1 * b
-        tl.store(y_ptr + y_off, y1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_off + second, y2.to(y_ptr.dtype.element_ty), mask=mask)
+        if INTERLEAVED:
+            _rotate_pairs(x_ptr + 2 * j0, y_ptr + 2 * j0, x_tok, y_tok, h64, x_sh, y_sh, mask,
+                          c1, c2, a, b, BLOCK_T, BLOCK_H, BLOCK_J)
+        else:
+            x_off = x_tok[:, None, None] + (h64 * x_sh)[None, :, None] + j[None, None, :]
+            y_off = y_tok[:, None, None] + (h64 * y_sh)[None, :, None] + j[None, None, :]
+            x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+            y1 = x1 * c1 + x2 * a
+            y2 = x2 * c2 + x1 * b
+            tl.store(y_ptr + y_off, y1.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + y_off + HALF, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_pairs(x_ptr, y_ptr, x_tok, y_tok, h64, x_sh, y_sh, mask, c1, c2, a, b,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+    """The interleaved rotation of pairs ``(2j, 2j + 1)``, ``j`` in ``[0, BLOCK_J)``: each head's
+    ``2 * BLOCK_J`` columns are loaded and stored as one contiguous row and split into the pairs'
+    first and second elements in registers, rather than read and written as every other element
+    (narrow strided accesses). ``mask`` is the pairs'."""
+    col = tl.arange(0, 2 * BLOCK_J)
+    x_off = x_tok[:, None, None] + (h64 * x_sh)[None, :, None] + col[None, None, :]
+    y_off = y_tok[:, None, None] + (h64 * y_sh)[None, :, None] + col[None, None, :]
+    row_mask = tl.reshape(tl.join(mask, mask), (BLOCK_T, BLOCK_H, 2 * BLOCK_J))
+    xx = tl.load(x_ptr + x_off, mask=row_mask, other=0.0).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(xx, (BLOCK_T, BLOCK_H, BLOCK_J, 2)))
+    y1 = x1 * c1 + x2 * a
+    y2 = x2 * c2 + x1 * b
+    yy = tl.reshape(tl.join(y1, y2), (BLOCK_T, BLOCK_H, 2 * BLOCK_J))
+    tl.store(y_ptr + y_off, yy.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -212,9 +231,9 @@ def _rope_kernel(
             a = a[:, None, :]
             b = b[:, None, :]
             _rotate_heads(xq_ptr, yq_ptr, xq_tok, yq_tok, row_mask, n_q_heads, xq_sh, yq_sh,
-                          j, j_mask, c1, c2, a, b, HALF, INTERLEAVED, BLOCK_HQ)
+                          j0, j, j_mask, c1, c2, a, b, HALF, INTERLEAVED, BLOCK_T, BLOCK_HQ, BLOCK_J)
             _rotate_heads(xk_ptr, yk_ptr, xk_tok, yk_tok, row_mask, n_kv_heads, xk_sh, yk_sh,
-                          j, j_mask, c1, c2, a, b, HALF, INTERLEAVED, BLOCK_HK)
+                          j0, j, j_mask, c1, c2, a, b, HALF, INTERLEAVED, BLOCK_T, BLOCK_HK, BLOCK_J)
         if PASS > 0:
             for p0 in tl.static_range(0, PASS, BLOCK_P):
                 p = 2 * HALF + p0 + tl.arange(0, BLOCK_P)
@@ -440,10 +459,14 @@ def _(q, k, cos, sin, heads_first, overwrite_grad_output):
 
 def _gradient_buffer(grad: Tensor | None, dtype: torch.dtype, like: Tensor, overwrite: bool) -> Tensor:
     """Where the gradient of an input goes: ``grad``'s own storage when ``overwrite`` and it can hold
-    the result, else a new tensor; an empty one when no gradient came for that output."""
+    the result, else a new tensor; an empty one when no gradient came for that output.
+
+    The reused storage is returned as a new view, not as ``grad`` itself: autograd hands a leaf's
+    gradient over without a copy only when nothing else holds the tensor object, and the caller of
+    ``backward`` still holds ``grad`` (a whole copy of q and k per step otherwise)."""
     if grad is None:
         return like.new_empty(0, dtype=dtype)
-    return grad if overwrite and _reusable(grad, dtype) else _output_like(grad, dtype)
+    return grad.view(grad.shape) if overwrite and _reusable(grad, dtype) else _output_like(grad, dtype)
 
 
 @custom_op("rope_backward")
