@@ -250,3 +250,33 @@ def test_copied_markers_do_not_fool_apply_or_unapply():
         assert model.forward is wrapper  # not mistaken for Onca's: kept
     finally:
         onca.unapply_to("llama")
+
+
+def test_router_loss_is_added_when_the_original_adds_it():
+    """The load-balancing loss follows the model class's own rule, which transformers' versions
+    change: from the call only (Qwen3-VL-MoE in 5.17), else from the top-level config (Qwen3.5-MoE
+    in 5.17), else from the text config (most)."""
+    from types import SimpleNamespace
+
+    from onca.integrations.transformers.forwards import _router_loss_switch
+
+    def call_only(self, labels=None, **kwargs):
+        if kwargs.get("output_router_logits", False):
+            return "aux"
+
+    def top_config(self, output_router_logits=None, **kwargs):
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+
+    def text_config(self, output_router_logits=None, **kwargs):
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None
+            else self.config.text_config.output_router_logits
+        )
+
+    top, text = SimpleNamespace(output_router_logits=False), SimpleNamespace(output_router_logits=True)
+    for forward, unset in ((call_only, False), (top_config, False), (text_config, True)):
+        switch = _router_loss_switch(forward)
+        assert switch(top, text, None) is unset, forward.__name__
+        assert switch(top, text, True) is True and switch(top, text, False) is False, forward.__name__

@@ -407,6 +407,7 @@ def make_causal_lm_forward(family: Family, original_forward, class_forward=None)
     output_fields = tuple(f.name for f in dataclasses.fields(output_class))
     # Resolved here too: a module lookup inside the forward would break torch.compile's graph.
     load_balancing_loss = getattr(family.modeling(), "load_balancing_loss_func", None) if family.aux_loss else None
+    router_switch = _router_loss_switch(class_forward or original_forward)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None,
@@ -426,9 +427,8 @@ def make_causal_lm_forward(family: Family, original_forward, class_forward=None)
         text_config = self.config.get_text_config()
         model_kwargs = dict(kwargs)
         if family.aux_loss:
-            requested = kwargs.get("output_router_logits")
-            model_kwargs["output_router_logits"] = (
-                getattr(text_config, "output_router_logits", False) if requested is None else requested)
+            model_kwargs["output_router_logits"] = router_switch(self.config, text_config,
+                                                                 kwargs.get("output_router_logits"))
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                              **model_kwargs)
@@ -445,6 +445,25 @@ def make_causal_lm_forward(family: Family, original_forward, class_forward=None)
 
     forward.__wrapped__ = original_forward
     return mark_onca(forward, "fused_linear_cross_entropy")
+
+
+def _router_loss_switch(forward):
+    """Whether a call adds the router's load-balancing loss, decided as ``forward`` (the model
+    class's own) decides it: transformers' versions differ. Most take ``output_router_logits`` from
+    the call, else from the text config; some (Qwen3-VL-MoE and GLM-4V-MoE in 5.17) only from the
+    call; some (Qwen3.5-MoE in 5.17) from the call, else from the top-level config. Read once from
+    the forward's source, so that the loss is the original's under every version."""
+    try:
+        source = "".join(inspect.getsource(inspect.unwrap(forward)).split())
+    except (OSError, TypeError):
+        source = ""
+    if "kwargs.get('output_router_logits'" in source or 'kwargs.get("output_router_logits"' in source:
+        return lambda config, text_config, requested: bool(requested)
+    if "elseself.config.output_router_logits" in source:
+        return lambda config, text_config, requested: (
+            getattr(config, "output_router_logits", False) if requested is None else requested)
+    return lambda config, text_config, requested: (
+        getattr(text_config, "output_router_logits", False) if requested is None else requested)
 
 
 def _parameters(function) -> frozenset[str]:
