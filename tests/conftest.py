@@ -11,7 +11,10 @@ import torch
 
 import onca  # noqa: F401  (switches the interpreter on when there is no accelerator)
 from onca import device as onca_device
-from tests.helpers import SCALE
+from tests.helpers import SCALE, round_bf16_as_on_gpu
+
+if onca_device.interpreter_active():
+    round_bf16_as_on_gpu()
 
 # Profiles every op is tested under: the one detected here, and an Ascend NPU's.
 PROFILES = ("default", "ascend910b4")

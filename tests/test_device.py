@@ -169,3 +169,26 @@ def test_npu_host_compiles_kernels_unless_told(fake_npu, monkeypatch):
 def test_without_torch_npu_there_is_no_npu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails
     assert d.accelerator() != "npu"
+
+
+def test_interpreter_rounds_fp32_to_bf16_as_the_gpu_does():
+    """Round to nearest, ties to even, carries into the exponent, overflow to inf, NaN kept: what
+    torch's cast (and the GPU's cvt.rn.bf16.f32) gives; the stock interpreter truncates."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n).to(tl.bfloat16), mask=offs < n)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    special = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -8 + 2 ** -20, 2 - 2 ** -9, -1.0 - 2 ** -7 + 2 ** -9,
+                            3.4e38, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40])
+    x = torch.cat([special, torch.randn(500) * 10.0 ** torch.randint(-6, 6, (500,))]).to(device)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    cast[(1,)](x, y, x.numel(), BLOCK=1024)
+    expected = x.to(torch.bfloat16)
+    same = (y.view(torch.int16) == expected.view(torch.int16)) | (y.isnan() & expected.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} casts differ, e.g. {x[~same][:4].tolist()}"

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from onca.ops import fused_moe as op
 from onca.ops.fused_moe import fused_moe, route
 from tests.contract import assert_op_contract
-from tests.helpers import SCALE, assert_close, bf16_rounding_as_on_gpu, randn, rounded
+from tests.helpers import SCALE, assert_close, randn, rounded
 
 # (tokens, hidden, intermediate, experts, top_k)
 # The option and layout tests at GPU scale: mid-sized (the real widths are in SHAPES); 128 experts
@@ -73,16 +73,12 @@ def check(x, w1, w2, b1, b2, index, weights, layout="mixtral", **kw):
     """Kernel and reference, forward and backward: out, dx, dW's, db's, d(top_k_weights)."""
     leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in (x, w1, w2, b1, b2, weights)]
     xk, w1k, w2k, b1k, b2k, wtk = leaves
-    # The kernels round several times in a row (projection, bias, activation): under the
-    # interpreter they round to nearest as the GPU does, not towards zero.
-    with bf16_rounding_as_on_gpu():
-        out = fused_moe(xk, w1k, w2k, index, wtk, gate_up_proj_bias=b1k, down_proj_bias=b2k, layout=layout, **kw)
+    out = fused_moe(xk, w1k, w2k, index, wtk, gate_up_proj_bias=b1k, down_proj_bias=b2k, layout=layout, **kw)
     assert out.dtype == x.dtype and out.shape == x.shape
     ref, ref_leaves = reference(x, w1, w2, b1, b2, index, weights, layout, **kw)
     assert_close(out, ref, x.dtype, "out")
     dout = randn(*x.shape, dtype=x.dtype, device=x.device)
-    with bf16_rounding_as_on_gpu():
-        out.backward(dout)
+    out.backward(dout)
     ref.backward(dout.to(torch.float64))
     for name, mine, theirs in zip(("dx", "d_gate_up_proj", "d_down_proj", "d_gate_up_proj_bias", "d_down_proj_bias",
                                    "d_top_k_weights"), leaves, ref_leaves):
