@@ -128,8 +128,8 @@ def _misses(state, ref_state, allowed):
 
 
 def _truth(model_type, pristine, inputs):
-    """The unpatched model run in float64, with Hugging Face's eager experts loop (on a GPU its
-    grouped_mm path does not take float64, and its fp32 products are not float64's)."""
+    """The unpatched model run in float64, with Hugging Face's eager experts loop (its grouped_mm
+    path is not written for float64 on a GPU)."""
     truth = pristine.double()
     if hasattr(truth.config, "_experts_implementation"):
         truth.config._experts_implementation = "eager"
@@ -143,9 +143,8 @@ def test_family_trains_like_the_original(model_type, dtype, device):
     the float64 truth: the patched run may then be as far from the truth as the original is, twice
     over. A MoE router's top-k is discontinuous: a token whose two best experts are within rounding
     of each other picks either, and which one it picks moves the router's gradient by more than
-    any tolerance (bf16 at GPU scale; on the GPU also fp32, where the original's experts run through
-    grouped_mm and its patch embeddings through cuDNN's TF32 convolutions). Against the truth, a
-    kernel error still shows: it adds to the patched run's distance and not to the original's."""
+    any tolerance (bf16 at GPU scale). Against the truth, a kernel error still shows: it adds to the
+    patched run's distance and not to the original's."""
     reference, config = _build(model_type, dtype, device)
     twin = copy.deepcopy(reference)
     pristine = copy.deepcopy(reference)

@@ -458,12 +458,12 @@ def _router_loss_switch(forward):
     except (OSError, TypeError):
         source = ""
     if "kwargs.get('output_router_logits'" in source or 'kwargs.get("output_router_logits"' in source:
-        return lambda config, text_config, requested: bool(requested)
-    if "elseself.config.output_router_logits" in source:
-        return lambda config, text_config, requested: (
-            getattr(config, "output_router_logits", False) if requested is None else requested)
-    return lambda config, text_config, requested: (
-        getattr(text_config, "output_router_logits", False) if requested is None else requested)
+        unset = lambda config, text_config: False  # noqa: E731
+    elif "elseself.config.output_router_logits" in source:
+        unset = lambda config, text_config: getattr(config, "output_router_logits", False)  # noqa: E731
+    else:
+        unset = lambda config, text_config: getattr(text_config, "output_router_logits", False)  # noqa: E731
+    return lambda config, text_config, requested: unset(config, text_config) if requested is None else requested
 
 
 def _parameters(function) -> frozenset[str]:
