@@ -56,6 +56,9 @@ def test_bench_list_and_cpu_smoke(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "smoke test" in out and "vs torch" in out
+    # --no-progress: a line per finished run (each point and provider), with its time.
+    runs = [line for line in out.splitlines() if line.startswith("bench rms_norm ") and line.endswith(" s")]
+    assert any("onca" in line for line in runs) and any("torch" in line for line in runs), out
     assert (out_dir / "results.csv").exists()
     assert list(out_dir.glob("rms_norm-cpu-bfloat16.json"))
     assert list((tmp_path / "plots").rglob("*.png"))  # the CPU run charts itself when asked

@@ -199,6 +199,18 @@ def test_every_op_benchmark_declaration(op, device):
     assert statuses == {"ok"}, [(r.kernel_provider, p.note) for r in new for p in r.points if p.status != "ok"]
 
 
+def test_points_selects_sweep_points_by_their_x_value():
+    """``--points``: only the named D2 models (before ``max_points`` subsamples); a GPU run's choice,
+    decided without touching a GPU."""
+    sweep = harness.load("fused_moe").sweep("d2")[0]
+    pick = harness.Harness(harness.Settings(device="cuda", points=("gpt-oss-20b", "mixtral-8x7b")), progress=False)
+    assert [x for x, _ in pick.points(harness.load("fused_moe"), sweep)] == ["mixtral-8x7b", "gpt-oss-20b"]
+    every = harness.Harness(harness.Settings(device="cuda", max_points=2), progress=False)
+    assert [x for x, _ in every.points(harness.load("fused_moe"), sweep)] == ["mixtral-8x7b", "gpt-oss-20b"]
+    none = harness.Harness(harness.Settings(device="cuda", points=("llama-3-8b",)), progress=False)
+    assert none.points(harness.load("fused_moe"), sweep) == []
+
+
 def test_subsample_keeps_the_ends_evenly():
     pts = list(range(10))
     assert harness.subsample(pts, None) == pts and harness.subsample(pts, 20) == pts

@@ -68,6 +68,8 @@ class Settings:
     cpu_reps: int = 2
     # At most this many points per sweep (evenly spaced, the ends included); None: all of them.
     max_points: int | None = None
+    # Only the points whose x value (a model name, a size) is one of these; None: every point.
+    points: tuple[str, ...] | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -123,7 +125,8 @@ class Harness:
 
     def points(self, bench: OpBenchmark, sweep: Sweep):
         if self.settings.on_gpu:
-            return subsample(list(sweep.points), self.settings.max_points)
+            chosen = [pt for pt in sweep.points if self.settings.points is None or str(pt[0]) in self.settings.points]
+            return subsample(chosen, self.settings.max_points)
         # CPU: one point at the op's probe size, through the very same code path.
         return [(bench.probe.get(sweep.x_name, "probe"), dict(bench.probe))]
 
@@ -441,12 +444,20 @@ def _free():
         torch.cuda.empty_cache()
 
 
-class _NoBar:
+class _LineLog:
+    """Without a progress bar (``--no-progress``, or no tqdm): one line per finished run, with its
+    time, so that a run cut off by a time limit still shows how far it got and where time went."""
+
+    def __init__(self, desc):
+        self.desc, self.what, self.start = desc, "", time.monotonic()
+
     def update(self, n=1):
-        pass
+        now = time.monotonic()
+        print(f"{self.desc} {self.what}: {now - self.start:.1f} s", flush=True)
+        self.start = now
 
     def set_postfix_str(self, s):
-        pass
+        self.what = s
 
     def close(self):
         pass
@@ -454,9 +465,9 @@ class _NoBar:
 
 def _progress(total, desc, enabled):
     if not enabled:
-        return _NoBar()
+        return _LineLog(desc)
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        return _NoBar()
+        return _LineLog(desc)
     return tqdm(total=total, desc=desc, unit="run", leave=False)
