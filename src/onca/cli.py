@@ -177,16 +177,17 @@ def cmd_bench(args) -> int:
         bench = harness.load(op)
         kinds = SWEEP_KINDS if args.sweep == "all" else (args.sweep,)
         sweeps = [s for kind in kinds for s in bench.sweep(kind)]
-        new = runner.run(bench, sweeps)
+        dtype = str(args.dtype).replace("torch.", "")
+        csv_path = os.path.join(args.out, "results.csv")
+        appended = []  # rows go to the CSV as each point is measured: a run cut short keeps them
+        new = runner.run(bench, sweeps, on_point=lambda done: appended.append(records.append_csv(csv_path, done)))
         print(report.table(new, "speed"))
         if settings.on_gpu:
             print()
             print(report.table([r for r in new if r.kernel_operation_mode == "full"], "memory"))
-        dtype = str(args.dtype).replace("torch.", "")
         slug = plot._slug(runner.gpu_name)
         records.write_json(os.path.join(args.out, f"{op}-{slug}-{dtype}.json"), new)
-        n = records.append_csv(os.path.join(args.out, "results.csv"), new)
-        print(f"\n{op}: {n} rows appended to {os.path.join(args.out, 'results.csv')}")
+        print(f"\n{op}: {sum(appended)} rows appended to {csv_path}")
     if args.plot:
         for path in plot.plot_csv(os.path.join(args.out, "results.csv"), args.plot_dir, ops=ops,
                                   include_cpu=not settings.on_gpu):

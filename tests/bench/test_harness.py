@@ -199,6 +199,21 @@ def test_every_op_benchmark_declaration(op, device):
     assert statuses == {"ok"}, [(r.kernel_provider, p.note) for r in new for p in r.points if p.status != "ok"]
 
 
+def test_each_point_reaches_on_point_as_it_is_measured(device):
+    """``on_point`` gets every (point, provider)'s records once, as measured: together they are the
+    run's records (what ``onca bench`` appends to its CSV while it runs)."""
+    bench = harness.load("rms_norm")
+    settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca", "torch"), peers=False,
+                                modes=("forward", "full"), cpu_reps=1, max_points=1)
+    seen = []
+    new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1], on_point=seen.append)
+    assert len(seen) == 2 and all(len(done) == 4 for done in seen)  # 2 providers; 2 metrics x 2 modes
+    flat = sorted((r.kernel_provider, r.metric_name, r.kernel_operation_mode, p.x, p.y50)
+                  for done in seen for r in done for p in r.points)
+    assert flat == sorted((r.kernel_provider, r.metric_name, r.kernel_operation_mode, p.x, p.y50)
+                          for r in new for p in r.points)
+
+
 def test_points_selects_sweep_points_by_their_x_value():
     """``--points``: only the named D2 models (before ``max_points`` subsamples); a GPU run's choice,
     decided without touching a GPU."""

@@ -26,6 +26,7 @@ import pkgutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Callable
 
 import torch
 
@@ -136,7 +137,10 @@ class Harness:
         extra = tuple(p for p in bench.peers if p not in self.settings.providers) if self.settings.peers else ()
         return tuple(self.settings.providers) + extra
 
-    def run(self, bench: OpBenchmark, sweeps: list[Sweep]) -> list[Record]:
+    def run(self, bench: OpBenchmark, sweeps: list[Sweep],
+            on_point: Callable[[list[Record]], None] | None = None) -> list[Record]:
+        """Measure every point of ``sweeps`` with each provider; ``on_point`` receives each
+        (point, provider)'s records as soon as they are measured (a run cut short keeps them)."""
         from onca.device import get_profile
 
         profile = get_profile()
@@ -159,8 +163,13 @@ class Harness:
                     if (provider, key) not in measured:
                         measured[(provider, key)] = self._run_point(bench, provider, states[provider], params,
                                                                     x, profile, wall_clock=key[0])
+                    done = []
                     for (metric, mode), point in measured[(provider, key)].items():
-                        records[(provider, metric, mode)].points.append(dataclasses.replace(point, x=x))
+                        point = dataclasses.replace(point, x=x)
+                        records[(provider, metric, mode)].points.append(point)
+                        done.append(dataclasses.replace(records[(provider, metric, mode)], points=[point]))
+                    if on_point is not None:
+                        on_point(done)
                     bar.update(1)
             new_records.extend(records.values())
         bar.close()
