@@ -1,7 +1,8 @@
 """Compile every kernel a test launches for an H100/H200 (sm_90a) on a machine with no GPU.
 
 A pytest plugin for developers: it costs no device time, catches kernels that run under the
-interpreter but do not compile for the GPU, and reports each kernel's registers and spills.
+interpreter but do not compile for the GPU, and reports each kernel's registers, spills, tensor-core
+dots and asynchronous (pipelined) loads.
 
     ONCA_DEVICE_PROFILE=h100 python -m pytest -p tools.sm90_compile tests/ops/test_rms_norm.py -q
 
@@ -59,6 +60,14 @@ def _resources(cubin: bytes) -> str:
     return f"regs {fields.get('REG', '?'):>3}  stack {fields.get('STACK', '?'):>4}  local {fields.get('LOCAL', '?')}"
 
 
+def _pipelining(ttgir: str) -> str:
+    """What the GPU's IR says of the main loops: Hopper tensor-core dots (wgmma) and loads copied
+    asynchronously into shared memory, i.e. pipelined ahead of their use. A matmul whose tile loads
+    are not pipelined waits on global memory every step (``async 0`` beside ``wgmma`` > 0, or only
+    a few small index loads)."""
+    return f"wgmma {ttgir.count('ttng.warp_group_dot ')}  async {ttgir.count('ttg.async_copy_global_to_local')}"
+
+
 def _compile_only(self, *args, grid, warmup, **kwargs):
     options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
     bound = inspect.signature(self.fn).bind(*args, **kwargs)
@@ -79,7 +88,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     if key not in _RESULTS:
         try:
             compiled = triton.compile(ASTSource(self, signature, constexprs), target=_TARGET, options=options)
-            _RESULTS[key] = _resources(compiled.asm["cubin"])
+            _RESULTS[key] = f"{_resources(compiled.asm['cubin'])}  {_pipelining(compiled.asm['ttgir'])}"
         except Exception as exc:  # report, don't stop: the point is to see every kernel
             _RESULTS[key] = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return None
