@@ -25,8 +25,10 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from onca.audit import Launch, compile_for_cuda  # noqa: E402
 
 _DTYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -35,18 +37,7 @@ _DTYPES = {
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _RESULTS: dict[tuple, str] = {}
 _TARGET = GPUTarget("cuda", 90, 32)
-
-
-def _type_of(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"cannot type argument {value!r}")
+_BACKEND = make_backend(_TARGET)
 
 
 def _resources(cubin: bytes) -> str:
@@ -68,26 +59,28 @@ def _pipelining(ttgir: str) -> str:
     return f"wgmma {ttgir.count('ttng.warp_group_dot ')}  async {ttgir.count('ttg.async_copy_global_to_local')}"
 
 
+_BINDERS: dict = {}
+
+
 def _compile_only(self, *args, grid, warmup, **kwargs):
-    options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
-    bound = inspect.signature(self.fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    signature, constexprs = {}, {}
-    for param in self.params:
-        value = bound.arguments[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
-        elif value is None:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = None
-        else:
-            signature[param.name] = _type_of(value)
+    # Specialised as Triton's JIT specialises a launch (integers divisible by 16, aligned
+    # pointers): without that, masks and pointers look unaligned, no load is pipelined and the
+    # registers differ from what the GPU runs.
+    binder = _BINDERS.get(self)
+    if binder is None:
+        binder = _BINDERS[self] = create_function_from_signature(self.signature, self.params, _BACKEND)
+    shown = inspect.signature(self.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS})
+    shown.apply_defaults()
+    constexprs = {p.name: shown.arguments[p.name] for p in self.params if p.is_constexpr}
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constants, attrs = self._pack_args(_BACKEND, kwargs, bound, specialization, options)
+    launch = {k: getattr(options, k) for k in _LAUNCH_OPTIONS if getattr(options, k, None) is not None}
     key = (self.fn.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
-           tuple(sorted(signature.items())), tuple(sorted(options.items())))
+           (tuple(signature.items()), repr(constants), repr(attrs)), tuple(sorted(launch.items())))
     if key not in _RESULTS:
         try:
-            compiled = triton.compile(ASTSource(self, signature, constexprs), target=_TARGET, options=options)
+            compiled = compile_for_cuda(Launch(self, signature, constants, attrs, False, cuda_options=options,
+                                               cuda_arch=_TARGET.arch))
             _RESULTS[key] = f"{_resources(compiled.asm['cubin'])}  {_pipelining(compiled.asm['ttgir'])}"
         except Exception as exc:  # report, don't stop: the point is to see every kernel
             _RESULTS[key] = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
