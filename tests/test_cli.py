@@ -67,6 +67,10 @@ def test_bench_list_and_cpu_smoke(tmp_path, capsys):
 def test_bench_rejects_unknown_names(capsys):
     assert cli.main(["bench", "nope"]) == 2
     assert cli.main(["bench", "rms_norm", "--providers", "onca,jax"]) == 2
+    capsys.readouterr()
+    assert cli.main(["bench", "fused_moe", "--sweep", "d2", "--points", "mixtral-8x7b,llama-3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert "--points llama-3-8b" in err and "gpt-oss-20b" in err and "mixtral-8x7b," not in err.split("(")[0]
 
 
 def _one_line(err: str) -> str:

@@ -14,30 +14,23 @@ Triton's wheel (no CUDA driver).
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import tempfile
 
-import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
-from onca.audit import Launch, compile_for_cuda  # noqa: E402
+from onca.audit import CudaSpecializer, compile_for_cuda  # noqa: E402
 
-_DTYPES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-    torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
-}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-_RESULTS: dict[tuple, str] = {}
+_RESULTS: dict[tuple, tuple[str, str]] = {}
 _TARGET = GPUTarget("cuda", 90, 32)
-_BACKEND = make_backend(_TARGET)
+_SPECIALIZE = CudaSpecializer(make_backend(_TARGET))
 
 
 def _resources(cubin: bytes) -> str:
@@ -59,32 +52,28 @@ def _pipelining(ttgir: str) -> str:
     return f"wgmma {ttgir.count('ttng.warp_group_dot ')}  async {ttgir.count('ttg.async_copy_global_to_local')}"
 
 
-_BINDERS: dict = {}
-
-
 def _compile_only(self, *args, grid, warmup, **kwargs):
     # Specialised as Triton's JIT specialises a launch (integers divisible by 16, aligned
     # pointers): without that, masks and pointers look unaligned, no load is pipelined and the
     # registers differ from what the GPU runs.
-    binder = _BINDERS.get(self)
-    if binder is None:
-        binder = _BINDERS[self] = create_function_from_signature(self.signature, self.params, _BACKEND)
-    shown = inspect.signature(self.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS})
-    shown.apply_defaults()
-    constexprs = {p.name: shown.arguments[p.name] for p in self.params if p.is_constexpr}
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constants, attrs = self._pack_args(_BACKEND, kwargs, bound, specialization, options)
-    launch = {k: getattr(options, k) for k in _LAUNCH_OPTIONS if getattr(options, k, None) is not None}
-    key = (self.fn.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
-           (tuple(signature.items()), repr(constants), repr(attrs)), tuple(sorted(launch.items())))
+    key, launch = _SPECIALIZE(self, *args, **kwargs)
     if key not in _RESULTS:
         try:
-            compiled = compile_for_cuda(Launch(self, signature, constants, attrs, False, cuda_options=options,
-                                               cuda_arch=_TARGET.arch))
-            _RESULTS[key] = f"{_resources(compiled.asm['cubin'])}  {_pipelining(compiled.asm['ttgir'])}"
+            compiled = compile_for_cuda(launch)
+            result = f"{_resources(compiled.asm['cubin'])}  {_pipelining(compiled.asm['ttgir'])}"
         except Exception as exc:  # report, don't stop: the point is to see every kernel
-            _RESULTS[key] = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            result = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        _RESULTS[key] = (_label(launch), result)
     return None
+
+
+def _label(launch) -> str:
+    """``kernel[CONSTEXPR=value, ...; num_warps=..., num_stages=...]``."""
+    params = launch.kernel.params
+    consts = sorted(f"{params[k[0] if isinstance(k, tuple) else k].name}={v}" for k, v in launch.constants.items()
+                    if params[k[0] if isinstance(k, tuple) else k].is_constexpr)
+    opts = launch.cuda_options
+    return f"{launch.kernel.fn.__name__}[{', '.join(consts)}; num_warps={opts.num_warps}, num_stages={opts.num_stages}]"
 
 
 JITFunction.run = _compile_only
@@ -100,9 +89,7 @@ def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
     tr.section("sm_90a compile report")
     failed = 0
-    for (name, constexprs, _sig, options), result in sorted(_RESULTS.items()):
+    for label, result in sorted(_RESULTS.values()):
         failed += result.startswith("FAILED")
-        consts = ", ".join(f"{k}={v}" for k, v in constexprs)
-        opts = ", ".join(f"{k}={v}" for k, v in options)
-        tr.write_line(f"{name}[{consts}; {opts}]: {result}")
+        tr.write_line(f"{label}: {result}")
     tr.write_line(f"{len(_RESULTS)} kernel variants compiled, {failed} failed")

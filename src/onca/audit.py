@@ -133,23 +133,36 @@ def _recording(backend, on_910_95: bool, user: str, launches: dict):
     return _launches_replaced_by(record)
 
 
-def _recording_cuda(backend, user: str, launches: dict):
-    """Replace kernel launches with recording their compilation inputs (as stock Triton's
-    ``JITFunction.run`` computes them for ``backend``'s target) into ``launches``."""
-    from triton.runtime.jit import create_function_from_signature
+class CudaSpecializer:
+    """A launch's compilation inputs as stock Triton's ``JITFunction.run`` computes them for
+    ``backend``'s target: its signature, constants and specialisation (integers divisible by 16,
+    aligned pointers), as a ``Launch`` and a key that tells distinct compilations apart."""
 
-    binders: dict = {}
+    def __init__(self, backend):
+        self.backend, self.binders = backend, {}
+
+    def __call__(self, kernel, *args, **kwargs) -> tuple[tuple, Launch]:
+        from triton.runtime.jit import create_function_from_signature
+
+        binder = self.binders.get(kernel)
+        if binder is None:
+            binder = self.binders[kernel] = create_function_from_signature(kernel.signature, kernel.params,
+                                                                           self.backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constants, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization,
+                                                                 options)
+        key = (kernel, tuple(signature.items()), repr(constants), repr(attrs), repr(options))
+        return key, Launch(kernel, signature, constants, attrs, False, cuda_options=options,
+                           cuda_arch=self.backend.target.arch)
+
+
+def _recording_cuda(backend, user: str, launches: dict):
+    """Replace kernel launches with recording their compilation inputs into ``launches``."""
+    specialize = CudaSpecializer(backend)
 
     def record(kernel, *args, grid, warmup, **kwargs):
-        binder = binders.get(kernel)
-        if binder is None:
-            binder = binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constants, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-        key = (kernel, tuple(signature.items()), repr(constants), repr(attrs), repr(options))
-        launch = launches.setdefault(key, Launch(kernel, signature, constants, attrs, False, cuda_options=options,
-                                                 cuda_arch=backend.target.arch))
-        launch.users.add(user)
+        key, launch = specialize(kernel, *args, **kwargs)
+        launches.setdefault(key, launch).users.add(user)
 
     return _launches_replaced_by(record)
 

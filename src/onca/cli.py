@@ -165,6 +165,15 @@ def cmd_bench(args) -> int:
               f"providers: {', '.join(dict.fromkeys(known))})", file=sys.stderr)
         return 2
 
+    kinds = SWEEP_KINDS if args.sweep == "all" else (args.sweep,)
+    if args.points is not None:
+        declared = {str(x) for op in ops for kind in kinds for s in harness.load(op).sweep(kind) for x, _ in s.points}
+        missing = [x for x in args.points if x not in declared]
+        if missing:
+            print(f"onca bench: --points {', '.join(missing)} is no point of the {args.sweep} sweeps of "
+                  f"{', '.join(ops)} (points: {', '.join(sorted(declared))})", file=sys.stderr)
+            return 2
+
     where = device.accelerator()
     settings = harness.Settings(device="cuda" if where == "cuda" else "cpu", dtype=args.dtype,
                                 providers=providers, peers=args.providers is None, modes=args.modes,
@@ -175,7 +184,6 @@ def cmd_bench(args) -> int:
     runner = harness.Harness(settings, progress=not args.no_progress)
     for op in ops:
         bench = harness.load(op)
-        kinds = SWEEP_KINDS if args.sweep == "all" else (args.sweep,)
         sweeps = [s for kind in kinds for s in bench.sweep(kind)]
         dtype = str(args.dtype).replace("torch.", "")
         csv_path = os.path.join(args.out, "results.csv")
