@@ -28,13 +28,15 @@ How it runs (every step on the device; counts and offsets never reach the host):
 
 Backward (``dout``): the down-projection GEMM's transpose ``dA = dout[token] @ W_down[e]`` is
 computed per pair with the activation's backward fused in its epilogue (the pre-activation is
-reloaded, the activation recomputed): it writes ``d_pre = w * dA * act'`` and partial sums of
-``dA . act`` per row (the routing weight's gradient, plus ``dout . b_down[e]``: the down
-projection's output is never stored for the backward). ``dx`` rows come from ``d_pre @ W_gate_up``,
-combined per token as in the forward. Weight gradients are grouped GEMMs reduced over each expert's
-rows inside one program per output tile (no atomics: deterministic), with the bias gradients summed
-alongside. Saved between forward and backward: ``x``, the weights and routing, the ``(T*K, 2I)``
-pre-activation and the int32 routing metadata.
+reloaded, the activation recomputed): it writes ``d_pre = w * dA * act'``, the activation (the
+down weight gradient's operand, freed after it) and partial sums of ``dA . act`` per row (the
+routing weight's gradient, plus ``dout . b_down[e]``: the down projection's output is never stored
+for the backward). ``dx`` rows come from ``d_pre @ W_gate_up``, combined per token as in the
+forward. Weight gradients are grouped GEMMs reduced over each expert's rows inside one program per
+output tile (no atomics: deterministic), with the bias gradients summed alongside. Saved between
+forward and backward: ``x``, the weights and routing, the ``(T*K, 2I)`` pre-activation and the
+int32 routing metadata; the backward's largest transient buffers are ``d_pre`` ``(T*K, 2I)`` and
+then either the activation ``(T*K, I)`` or ``dx``'s rows ``(T*K, H)``.
 
 Rounding follows the models: the projections' results are rounded to the input dtype (and again
 after a bias is added), SwiGLU rounds ``silu(gate)`` and the product, the weighted sum of a token's
@@ -217,7 +219,9 @@ def _moe_gemm_kernel(
             g = tl.load(pre_rows + g_cols, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(pre_rows + u_cols, mask=mask, other=0.0).to(tl.float32)
             act, dg, du = _gated(g, u, alpha, limit, ACTIVATION, DTYPE, True)
-            act = act.to(DTYPE).to(tl.float32)
+            act = act.to(DTYPE)
+            tl.store(act_ptr + rows64[:, None] * act_row_stride + cols[None, :], act, mask=mask)
+            act = act.to(tl.float32)
             wt = tl.load(weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
             part = tl.sum(tl.where(mask, acc * act, 0.0), axis=1)
             tl.store(partial_ptr + rows64 * partial_row_stride + pid_n, part, mask=row_mask)
@@ -242,10 +246,8 @@ def _moe_weight_grad_kernel(
     l_ptr, r_ptr, order_ptr, weights_ptr, info_ptr, dw_ptr, db_ptr,
     n_experts, n_rows_out, n_cols_out, top_k,
     l_row_stride, r_row_stride, dw_stride_e, dw_stride_n, dw_stride_k, db_stride_e,
-    gate_step, up_offset, alpha, limit,
     WGRAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -255,20 +257,28 @@ def _moe_weight_grad_kernel(
     expert's rows, in one program (deterministic), and the bias gradient ``sum_r L[r]`` where the
     program holds the first ``k`` tile.
 
-    WGRAD 0 (down): ``L[r] = w_r * dout[token_r]`` (gathered), ``R[r] = act(pre[r])`` (recomputed).
-    WGRAD 1 (up): ``L[r] = d_pre[r]``, ``R[r] = x[token_r]`` (gathered).
+    WGRAD 0 (down): ``L[r] = w_r * dout[token_r]`` (gathered, rounded as the model's gradient of the
+    expert's output), ``R[r] = act[r]``. WGRAD 1 (up): ``L[r] = d_pre[r]``, ``R[r] = x[token_r]``
+    (gathered).
     """
     DTYPE: tl.constexpr = r_ptr.dtype.element_ty
-    e = tl.program_id(0)
+    e = tl.program_id(1)
+    n_tiles_n = tl.cdiv(n_rows_out, BLOCK_N)
     n_tiles_k = tl.cdiv(n_cols_out, BLOCK_K)
-    n_tiles = tl.cdiv(n_rows_out, BLOCK_N) * n_tiles_k
     seg_start = tl.where(e > 0, tl.load(info_ptr + tl.maximum(e - 1, 0)), 0)
     seg_end = tl.load(info_ptr + e)
     # The expert's tiles, over however many programs the grid gives it (all on a GPU; a few on a
-    # persistent device, whose grid is bounded).
-    for tile in tl.range(tl.program_id(1), n_tiles, tl.num_programs(1)):
-        pid_n = tile // n_tiles_k
-        pid_k = tile % n_tiles_k
+    # persistent device, whose grid is bounded). The operand stored per sorted row (act, d_pre:
+    # wide, read by this expert alone) is the slow index, so that the programs running together
+    # share its slice and read it from memory once; the gathered token rows (dout, x: shared by
+    # every expert, a few MB) are the fast one and stay in L2.
+    for tile in tl.range(tl.program_id(0), n_tiles_n * n_tiles_k, tl.num_programs(0)):
+        if WGRAD == 0:
+            pid_k = tile // n_tiles_n
+            pid_n = tile % n_tiles_n
+        else:
+            pid_n = tile // n_tiles_k
+            pid_k = tile % n_tiles_k
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = ns < n_rows_out
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -286,20 +296,17 @@ def _moe_weight_grad_kernel(
             if WGRAD == 0:
                 wt = tl.load(weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
                 dy = tl.load(l_ptr + tokens[:, None] * l_row_stride + ns[None, :], mask=lmask, other=0.0)
-                lt = dy.to(tl.float32) * wt[:, None]
-                pre_rows = r_ptr + rows64[:, None] * r_row_stride
-                g_cols = (ks * gate_step).to(tl.int64)[None, :]
-                g = tl.load(pre_rows + g_cols, mask=rmask, other=0.0).to(tl.float32)
-                u = tl.load(pre_rows + g_cols + up_offset, mask=rmask, other=0.0).to(tl.float32)
-                rt, _, _ = _gated(g, u, alpha, limit, ACTIVATION, DTYPE, False)
-                rt = rt.to(DTYPE)
+                lt32 = dy.to(tl.float32) * wt[:, None]
+                lt = lt32.to(DTYPE)
+                rt = tl.load(r_ptr + rows64[:, None] * r_row_stride + ks[None, :], mask=rmask, other=0.0)
             else:
+                # Straight from memory to the dot (no register pass), fp32 only for the bias sum.
                 lt = tl.load(l_ptr + rows64[:, None] * l_row_stride + ns[None, :], mask=lmask, other=0.0)
-                lt = lt.to(tl.float32)
+                lt32 = lt.to(tl.float32)
                 rt = tl.load(r_ptr + tokens[:, None] * r_row_stride + ks[None, :], mask=rmask, other=0.0)
-            acc = _dot(tl.trans(lt.to(DTYPE)), rt, acc, DTYPE, DOT_FP32)
+            acc = _dot(tl.trans(lt), rt, acc, DTYPE, DOT_FP32)
             if HAS_BIAS:
-                bias_acc += tl.sum(lt, axis=0)
+                bias_acc += tl.sum(lt32, axis=0)
         e64 = e.to(tl.int64)
         out = dw_ptr + e64 * dw_stride_e + ns.to(tl.int64)[:, None] * dw_stride_n + ks.to(tl.int64)[None, :] * dw_stride_k
         tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
@@ -401,7 +408,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None, *, num
         "down": plan_matmul(per_expert, h, i, dtype, profile, block_m=bm),
         "down_backward": plan_matmul(per_expert, i, h, dtype, profile, epilogue_tiles=4, block_m=bm),
         "input_grad": plan_matmul(per_expert, h, 2 * i, dtype, profile, block_m=bm),
-        "down_weight_grad": plan_matmul(h, i, per_expert, dtype, profile, epilogue_tiles=1),
+        "down_weight_grad": plan_matmul(h, i, per_expert, dtype, profile),
         "up_weight_grad": plan_matmul(2 * i, h, per_expert, dtype, profile),
         "combine": plan_rows(max(1, tokens), h, dtype, profile=profile, **COMBINE_TILES),
     }
@@ -466,16 +473,16 @@ def _combine(y: Tensor, inv: Tensor, weights: Tensor | None, info: Tensor, n_tok
 
 
 def _weight_grad(mode: int, lhs: Tensor, rhs: Tensor, order: Tensor, weights: Tensor | None, info: Tensor,
-                 dw: Tensor, dw_nk, db: Tensor | None, n_out: int, k_out: int, top_k: int, *,
-                 gate_cols=(1, 0), activation: int = 0, alpha: float = 0.0, limit: float = 0.0) -> None:
+                 dw: Tensor, dw_nk, db: Tensor | None, n_out: int, k_out: int, top_k: int) -> None:
     n_experts = dw.shape[0]
     pairs = order.numel()
-    p = plan_matmul(n_out, k_out, max(1, pairs // n_experts), rhs.dtype, epilogue_tiles=1 if mode == 0 else 0)
+    p = plan_matmul(n_out, k_out, max(1, pairs // n_experts), rhs.dtype)
     tiles = triton.cdiv(n_out, p.block_n) * triton.cdiv(k_out, p.block_k)
     profile = get_profile()
     # A persistent device (Ascend: at most 65535 programs) gets about one program per compute
-    # unit, each expert's programs looping over its tiles; a GPU one program per tile.
-    grid = (n_experts, min(tiles, max(1, profile.compute_units // n_experts)) if profile.persistent else tiles)
+    # unit, each expert's programs looping over its tiles; a GPU one program per tile. The expert
+    # is the slow grid axis: the programs running together work on one expert's rows.
+    grid = (min(tiles, max(1, profile.compute_units // n_experts)) if profile.persistent else tiles, n_experts)
     wts = lhs if weights is None else weights
     bias = dw if db is None else db
     # The rows are the reduction here: the plan's (m, n, k) tile is (n_out, k_out, rows).
@@ -483,8 +490,7 @@ def _weight_grad(mode: int, lhs: Tensor, rhs: Tensor, order: Tensor, weights: Te
         lhs, rhs, order, wts, info, dw, bias,
         n_experts, n_out, k_out, top_k,
         lhs.stride(0), rhs.stride(0), *dw_nk, bias.stride(0),
-        gate_cols[0], gate_cols[1], alpha, limit,
-        WGRAD=mode, HAS_BIAS=db is not None, ACTIVATION=activation,
+        WGRAD=mode, HAS_BIAS=db is not None,
         DOT_FP32=_dot_fp32(rhs.dtype), BLOCK_M=p.block_k, BLOCK_N=p.block_m, BLOCK_K=p.block_n,
         num_warps=p.num_warps, num_stages=p.num_stages,
     )
@@ -557,14 +563,18 @@ def fused_moe_backward(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj:
     # The routing weight of each sorted row.
     weights_sorted = top_k_weights.reshape(-1)[order.to(torch.int64)]
 
-    # dA = dout[token] @ W_down[e] (W_down seen as (I, H)), with the activation's backward fused.
+    # dA = dout[token] @ W_down[e] (W_down seen as (I, H)), with the activation's backward fused; it
+    # also stores the activation it recomputes, the down weight gradient's operand (recomputing it
+    # there instead costs a sigmoid per element per hidden tile, more than that GEMM's own time).
     p = plan_matmul(per_expert, i, h, x.dtype, epilogue_tiles=4, block_m=up.block_m)
     n_col_tiles = triton.cdiv(i, p.block_n)
     partial = torch.zeros((pairs, n_col_tiles), dtype=torch.float32, device=x.device)
     d_pre = torch.empty_like(pre)
+    act = x.new_empty((pairs, i))
     _gemm(_DOWN_BACKWARD, dout, order, down_proj, _nk(down_proj, not transposed), None, info, d_pre, i, h, k, p,
-          n_tiles_m, gather=True, pre=pre, weights=weights_sorted, partial=partial, **opts)
+          n_tiles_m, gather=True, act=act, pre=pre, weights=weights_sorted, partial=partial, **opts)
     dw_sorted = partial.sum(1)
+    del partial
     if down_proj_bias is not None:
         # dout[token_r] . b_down[e_r]: one (T, E) product, then each row's entry.
         flat = top_k_index.reshape(-1).to(torch.int64)[order.to(torch.int64)]
@@ -574,6 +584,14 @@ def fused_moe_backward(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj:
         dw_sorted = dw_sorted + torch.where(valid, by_expert[tokens, flat.clamp(0, e - 1)], 0.0)
     d_weights = dw_sorted[inv.to(torch.int64)].view(t, k).to(top_k_weights.dtype)
 
+    # dW_down[e] (H, I) = sum_r (w_r dout[token_r])^T act_r; db_down[e] = sum_r w_r dout[token_r].
+    # Before the input gradient, so that act is freed before dx's rows are allocated.
+    d_w2 = torch.empty_like(down_proj)
+    db2 = None if down_proj_bias is None else torch.zeros(down_proj_bias.shape, dtype=torch.float32,
+                                                          device=x.device)
+    _weight_grad(_WGRAD_DOWN, dout, act, order, weights_sorted, info, d_w2, _nk(d_w2, transposed), db2, h, i, k)
+    del act
+
     # dx rows = d_pre @ W_gate_up[e] (seen as (H, 2I)), then each token's K rows summed.
     p = plan_matmul(per_expert, h, 2 * i, x.dtype, block_m=up.block_m)
     dx_rows = x.new_empty((pairs, h))
@@ -582,12 +600,6 @@ def fused_moe_backward(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj:
     dx = _combine(dx_rows, inv, None, info, t, k, x.dtype)
     del dx_rows
 
-    # dW_down[e] (H, I) = sum_r (w_r dout[token_r])^T act_r; db_down[e] = sum_r w_r dout[token_r].
-    d_w2 = torch.empty_like(down_proj)
-    db2 = None if down_proj_bias is None else torch.zeros(down_proj_bias.shape, dtype=torch.float32,
-                                                          device=x.device)
-    _weight_grad(_WGRAD_DOWN, dout, pre, order, weights_sorted, info, d_w2, _nk(d_w2, transposed), db2, h, i, k,
-                 **opts)
     # dW_gate_up[e] (2I, H) = sum_r d_pre_r^T x[token_r]; db_gate_up[e] = sum_r d_pre_r.
     d_w1 = torch.empty_like(gate_up_proj)
     db1 = None if gate_up_proj_bias is None else torch.zeros(gate_up_proj_bias.shape, dtype=torch.float32,

@@ -95,24 +95,25 @@ def bytes_moved(p, dtype, mode):
     return {"forward": forward, "backward": backward, "full": forward + backward}[mode]
 
 
-# Peak (pairs x intermediate) and (pairs x hidden) tensors alive beyond the inputs and weights, and
-# weight copies (1: the weight gradients).
+# The (pairs x intermediate, pairs x hidden) tensors alive at each phase of a run beyond the inputs
+# and weights (the peak is the largest phase), and weight copies (1: the weight gradients).
 _PEAK = {
-    # pre (2I) + act (I) + y (H); backward: pre, d_pre (2I), dx rows (H), weight gradients.
-    "onca": {"forward": (3, 1, 0), "backward": (4, 1, 1), "full": (4, 1, 1)},
-    "liger": {"forward": (3, 1, 0), "backward": (5, 2, 1), "full": (5, 2, 1)},
+    # forward: pre (2I) + act (I) + y (H); backward: pre, d_pre (2I) with act (I), then with dx rows (H).
+    "onca": {"forward": (((3, 1),), 0), "backward": (((5, 0), (4, 1)), 1), "full": (((5, 0), (4, 1)), 1)},
+    "liger": {"forward": (((3, 1),), 0), "backward": (((5, 2),), 1), "full": (((5, 2),), 1)},
     # per expert: gathered x, gate_up, silu, product, y, weighted y, all saved for backward.
-    "torch": {"forward": (5, 3, 0), "backward": (9, 4, 1), "full": (9, 4, 1)},
-    "torch_compile": {"forward": (4, 2, 0), "backward": (8, 3, 1), "full": (8, 3, 1)},
+    "torch": {"forward": (((5, 3),), 0), "backward": (((9, 4),), 1), "full": (((9, 4),), 1)},
+    "torch_compile": {"forward": (((4, 2),), 0), "backward": (((8, 3),), 1), "full": (((8, 3),), 1)},
 }
 
 
 def memory_estimate(p, dtype, provider, mode):
     t, h, i, e, k = p["tokens"], p["hidden"], p["intermediate"], p["experts"], p["top_k"]
     b = itemsize(dtype)
-    per_i, per_h, weight_copies = _PEAK[provider][mode]
+    phases, weight_copies = _PEAK[provider][mode]
     weights = 3 * e * h * i * b
-    return weights * (1 + weight_copies) + 3 * t * h * b + t * k * (per_i * i + per_h * h) * b + 16 * t * k
+    rows = max(per_i * i + per_h * h for per_i, per_h in phases)
+    return weights * (1 + weight_copies) + 3 * t * h * b + t * k * rows * b + 16 * t * k
 
 
 def _moe_model(m):
