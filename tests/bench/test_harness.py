@@ -226,6 +226,16 @@ def test_points_selects_sweep_points_by_their_x_value():
     assert none.points(harness.load("fused_moe"), sweep) == []
 
 
+def test_a_sweep_with_no_chosen_point_gives_no_records(monkeypatch):
+    """``--points 256,512`` over an op whose other D1 sweep has no such point: that sweep adds no
+    empty records (whose table once failed the run after every point was measured)."""
+    h = cpu_harness(modes=("full",))
+    monkeypatch.setattr(h, "points", lambda bench, sweep: [(4, {"n": 4})] if sweep.kind == "d1" else [])
+    new = h.run(toy_benchmark(), list(toy_benchmark().sweeps))
+    assert {r.sweep for r in new} == {"d1"} and all(len(r.points) == 1 for r in new)
+    assert "toy · d1 over n · full · speed" in report.table(new, "speed")
+
+
 def test_subsample_keeps_the_ends_evenly():
     pts = list(range(10))
     assert harness.subsample(pts, None) == pts and harness.subsample(pts, 20) == pts

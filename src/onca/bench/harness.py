@@ -154,8 +154,11 @@ class Harness:
         # D2 point) are measured once and reported under each x.
         measured: dict[tuple, dict] = {}
         for sweep in sweeps:
+            sweep_work = [w for w in work if w[0] is sweep]
+            if not sweep_work:  # none of its points chosen (--points names another sweep's): no records
+                continue
             records = self._records_for(bench, sweep, stamp)
-            for _, x, params in [w for w in work if w[0] is sweep]:
+            for _, x, params in sweep_work:
                 key = (sweep.kind == "overhead",
                        tuple(sorted((k, repr(v)) for k, v in params.items() if k != "model")))
                 for provider in providers:
