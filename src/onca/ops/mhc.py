@@ -21,9 +21,10 @@ fp32 and storing in ``x``'s dtype; their coefficient gradients are reduced over 
 ``mhc_coeffs`` runs the projection ``x_flat @ phi`` as one fp32 matmul and everything per token
 (the RMS factor, the sigmoids, the softmax and the ``2 * tmax - 1`` Sinkhorn normalisations) in
 one Triton kernel over blocks of tokens, each token's ``HC x HC`` block in registers. Its backward
-recomputes the projection, walks the Sinkhorn loop back in one kernel (each iterate recomputed
-from the softmax: nothing of the loop is stored between forward and backward) that also reduces
-``db`` and the ``alpha`` gradients per program, and finishes with the projection's two matmuls.
+recomputes the projection, walks the Sinkhorn loop back in one kernel (nothing of the loop is kept
+between forward and backward: each program reruns it for its tokens into a scratch of its own,
+then reads the iterates back in reverse) that also reduces ``db`` and the ``alpha`` gradients per
+program, and finishes with the projection's two matmuls.
 As a torch composition the loop was about 640 small kernels per forward + backward. Coefficients
 are fp32, as in liger-kernel.
 """
@@ -303,7 +304,7 @@ def _mhc_coeffs_forward_kernel(
 @triton.jit
 def _mhc_coeffs_backward_kernel(
     x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, d_pre_ptr, d_post_ptr, d_res_ptr,
-    d_proj_ptr, rms_coef_ptr, partial_ptr,
+    d_proj_ptr, rms_coef_ptr, partial_ptr, iterates_ptr,
     n_rows, hc, k_cols, tmax, rms_eps, sinkhorn_eps, post_mult,
     HC_BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COL_TILES: tl.constexpr,
 ):
@@ -311,11 +312,18 @@ def _mhc_coeffs_backward_kernel(
     ``rms_coef = (d_mix . proj) * r**3 / K``, so that ``dx = d_proj @ phi.T - rms_coef * x_flat``;
     per program, the partial sums of ``db`` (``M`` values) and of the three ``d_alpha`` (after them).
 
-    The Sinkhorn iterates are not stored between forward and backward: walking back from the last,
-    each iterate is recomputed from the softmax (quadratic in ``tmax``, on ``HC x HC`` values held
-    in registers, cheaper than a round trip through memory for the few hundred values per token)."""
+    The Sinkhorn iterates are not kept between forward and backward: each block of tokens runs the
+    loop forward once more, storing its ``2 * tmax - 1`` iterates in this program's own scratch
+    (``iterates``: a few KB per token, in L2), then walks back reading them. Recomputing each
+    iterate from the softmax instead (registers only) is quadratic in ``tmax``: on the H100 that
+    made this kernel six times liger-kernel's equivalent."""
     pid = tl.program_id(0)
     m_cols = hc * hc + 2 * hc
+    n_iterates = 2 * tmax - 1
+    block_size: tl.constexpr = BLOCK_ROWS * HC_BLOCK * HC_BLOCK
+    block_offsets = (tl.arange(0, BLOCK_ROWS)[:, None, None] * HC_BLOCK + tl.arange(0, HC_BLOCK)[None, :, None]) \
+        * HC_BLOCK + tl.arange(0, HC_BLOCK)[None, None, :]
+    scratch = iterates_ptr + pid.to(tl.int64) * n_iterates * block_size + block_offsets
     hs, res_cols, square, a_pre, a_post, a_res, b_pre, b_post = _shared_coefficients(
         b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, hc, HC_BLOCK)
     db_pre = tl.zeros([HC_BLOCK], dtype=tl.float32)
@@ -345,11 +353,16 @@ def _mhc_coeffs_backward_kernel(
         soft, mix_res = _residual_softmax(proj_ptr, b_ptr, rows64, valid, square, res_cols, invr, a_res, hc, m_cols)
         first = tl.where(valid, soft + sinkhorn_eps, 0.0)
         d = tl.load(d_res_ptr + rows64[:, None, None] * (hc * hc) + res_cols[None, :, :], mask=valid, other=0.0)
-        for back in range(0, 2 * tmax - 1):
-            step = 2 * tmax - 1 - back  # the iterate that step maps to, walking back from the last
-            mat = first
-            for t in range(1, step):
-                mat = _sinkhorn_step(mat, t, sinkhorn_eps)
+        # Iterate j (the input of step j + 1) at scratch + j * block_size, padding included (zeros).
+        mat = first
+        tl.store(scratch, mat)
+        for t in range(1, n_iterates):
+            mat = _sinkhorn_step(mat, t, sinkhorn_eps)
+            tl.store(scratch + t * block_size, mat)
+        tl.debug_barrier()  # the walk back reads iterates other threads of this program wrote
+        for back in range(0, n_iterates):
+            step = n_iterates - back  # walking back from the last step
+            mat = tl.load(scratch + (step - 1) * block_size)
             # d/dmat of mat / (sum + eps): d / s - sum(d * mat) / s**2 over the step's dimension
             by_rows = step % 2 == 0
             sums = _nonzero(tl.where(by_rows, tl.sum(mat, axis=2)[:, :, None], tl.sum(mat, axis=1)[:, None, :])
@@ -376,6 +389,7 @@ def _mhc_coeffs_backward_kernel(
         da_pre += tl.sum(dl_pre * mix_pre, axis=1)
         da_post += tl.sum(dl_post * mix_post, axis=1)
         da_res += tl.sum(tl.sum(dl_res * mix_res, axis=2), axis=1)
+        tl.debug_barrier()  # every thread is done reading this block's iterates before the next's
     partial = partial_ptr + pid * (m_cols + 3)
     tl.store(partial + hs, db_pre, mask=hs < hc)
     tl.store(partial + hc + hs, db_post, mask=hs < hc)
@@ -552,11 +566,14 @@ def mhc_coeffs_backward(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor,
     xm, proj = _projection(x, phi)
     d_proj = proj.new_empty((n, m))
     rms_coef = proj.new_empty((n, 1))
-    grid = _coeff_plan(max(n, 1), hc * c, x.dtype, hc).grid
-    partials = proj.new_zeros((grid, m + 3))
+    p = _coeff_plan(max(n, 1), hc * c, x.dtype, hc)
+    partials = proj.new_zeros((p.grid, m + 3))
+    hb = next_power_of_2(hc)
+    iterates = proj.new_empty((p.grid * (2 * tmax - 1) * p.block_rows * hb * hb,) if n else (0,))
     if n:
         _coeff_launch(_mhc_coeffs_backward_kernel, x, proj, b, alpha_pre, alpha_post, alpha_res, d_pre, d_post,
-                      d_res, d_proj, rms_coef, partials, n, hc, hc * c, tmax, rms_eps, sinkhorn_eps, post_mult)
+                      d_res, d_proj, rms_coef, partials, iterates, n, hc, hc * c, tmax, rms_eps, sinkhorn_eps,
+                      post_mult)
     # Separate reductions, not views of one: a custom op's outputs may not alias each other.
     db = partials[:, :m].sum(0)
     d_alphas = [partials[:, m + i].sum() for i in range(3)]
