@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -62,6 +63,34 @@ def test_bench_list_and_cpu_smoke(tmp_path, capsys):
     assert (out_dir / "results.csv").exists()
     assert list(out_dir.glob("rms_norm-cpu-bfloat16.json"))
     assert list((tmp_path / "plots").rglob("*.png"))  # the CPU run charts itself when asked
+
+
+def test_bench_keeps_each_point_in_csv_and_json_when_cut_short(tmp_path, monkeypatch, capsys):
+    """A run cut short (the device call's time limit) keeps every point measured before it, in the
+    CSV and in the op's JSON record file (which once was written only at the end of the op's run)."""
+    from onca.bench import harness, records
+
+    calls = []
+    real = harness.Harness._run_point
+
+    def run_point(self, *args, **kwargs):
+        if calls:  # the second (point, provider) run is cut off
+            raise KeyboardInterrupt
+        calls.append(args[1])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(harness.Harness, "_run_point", run_point)
+    out_dir = tmp_path / "data"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "rms_norm", "--sweep", "d1", "--providers", "onca,torch", "--modes", "full",
+                  "--out", str(out_dir), "--no-progress"])
+    capsys.readouterr()
+    assert calls == ["onca"]
+    rows = records.read_csv(str(out_dir / "results.csv"))
+    assert [(r["kernel_provider"], r["metric_name"]) for r in rows] == [("onca", "speed"), ("onca", "memory")]
+    saved = json.loads(next(out_dir.glob("rms_norm-cpu-bfloat16.json")).read_text())
+    assert [(r["kernel_provider"], r["metric_name"], [str(x) for x in r["x_values"]]) for r in saved] == [
+        ("onca", "speed", [rows[0]["x_value"]]), ("onca", "memory", [rows[0]["x_value"]])]
 
 
 def test_bench_rejects_unknown_names(capsys):

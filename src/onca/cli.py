@@ -187,14 +187,20 @@ def cmd_bench(args) -> int:
         sweeps = [s for kind in kinds for s in bench.sweep(kind)]
         dtype = str(args.dtype).replace("torch.", "")
         csv_path = os.path.join(args.out, "results.csv")
-        appended = []  # rows go to the CSV as each point is measured: a run cut short keeps them
-        new = runner.run(bench, sweeps, on_point=lambda done: appended.append(records.append_csv(csv_path, done)))
+        json_path = os.path.join(args.out, f"{op}-{plot._slug(runner.gpu_name)}-{dtype}.json")
+        # Each point goes to the CSV and the JSON as it is measured: a run cut short keeps them.
+        measured, appended = [], []
+
+        def keep(done, csv_path=csv_path, json_path=json_path, measured=measured, appended=appended):
+            appended.append(records.append_csv(csv_path, done))
+            measured.extend(done)
+            records.write_json(json_path, records.merge(measured))
+
+        new = runner.run(bench, sweeps, on_point=keep)
         print(report.table(new, "speed"))
         if settings.on_gpu:
             print()
             print(report.table([r for r in new if r.kernel_operation_mode == "full"], "memory"))
-        slug = plot._slug(runner.gpu_name)
-        records.write_json(os.path.join(args.out, f"{op}-{slug}-{dtype}.json"), new)
         print(f"\n{op}: {sum(appended)} rows appended to {csv_path}")
     if args.plot:
         for path in plot.plot_csv(os.path.join(args.out, "results.csv"), args.plot_dir, ops=ops,

@@ -9,6 +9,7 @@ ran out of memory; ``error``; ``unavailable``: the provider is not installed) an
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -128,6 +129,19 @@ def latest(rows: list[dict]) -> list[dict]:
         if key not in best or row["timestamp"] >= best[key]["timestamp"]:
             best[key] = row
     return list(best.values())
+
+
+def merge(records: list[Record]) -> list[Record]:
+    """One record per (op, provider, metric, mode, sweep, x axis) holding the points of ``records``
+    in their order: what the per-point records of a run (``Harness.run``'s ``on_point``) add up to."""
+    merged: dict[tuple, Record] = {}
+    for r in records:
+        key = (r.kernel_name, r.kernel_provider, r.metric_name, r.kernel_operation_mode, r.sweep, r.x_name,
+               r.gpu_name, r.dtype)
+        if key not in merged:
+            merged[key] = dataclasses.replace(r, points=[])
+        merged[key].points.extend(r.points)
+    return list(merged.values())
 
 
 def write_json(path: str, records: list[Record]) -> None:
