@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from onca.device import PROFILES, DeviceProfile
-from onca.tiling import MAX_TILE_ELEMENTS, TilingError, plan_rows
+from onca.tiling import MAX_TILE_ELEMENTS, TilingError, plan_matmul, plan_rows
 
 SHAPES = [(1, 1), (1, 64), (37, 1000), (16384, 4096), (3, 65536), (7, 131072), (100000, 128), (5, 3)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -86,6 +86,36 @@ def test_impossible_request_is_a_clear_error():
         plan_rows(0, 4096, torch.bfloat16, live_tiles=1, profile=PROFILES["h100"])
     with pytest.raises(TilingError, match="at least one live tile"):
         plan_rows(4, 4096, torch.bfloat16, live_tiles=0, profile=PROFILES["h100"])
+
+
+MATMULS = [(1, 1, 1), (4096, 4096, 4096), (8192, 32, 16384), (17, 300, 5), (8192, 16384, 32)]
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_matmul_plans_fit_every_profile(name):
+    """Every side a power of two of at least 16 (``tl.dot``), at most the problem's own size
+    rounded up and the largest side asked for; the tiles within the budget."""
+    profile = PROFILES[name]
+    for (m, n, k), dtype, largest in itertools.product(MATMULS, DTYPES, [(128, 64), (256, 128)]):
+        p = plan_matmul(m, n, k, dtype, profile, epilogue_tiles=2, max_block_n=largest[0], max_block_k=largest[1])
+        for side, size, cap in ((p.block_m, m, 128), (p.block_n, n, largest[0]), (p.block_k, k, largest[1])):
+            assert side >= 16 and side & (side - 1) == 0 and side <= max(16, min(cap, 2 * size))
+        assert p.tile_bytes <= profile.onchip_bytes and p.num_stages >= 1
+
+
+def test_matmul_plan_overrides_and_tight_budgets():
+    h100 = PROFILES["h100"]
+    wide = plan_matmul(16, 16384, 32, torch.bfloat16, h100, block_m=16, max_block_n=256, num_warps=8)
+    assert (wide.block_m, wide.block_n, wide.num_warps) == (16, 256, 8)
+    assert plan_matmul(16, 16384, 32, torch.bfloat16, PROFILES["ascend910b4"], num_warps=8).num_warps == 4
+    # A budget too small for three pipelined stages of the smallest tiles: fewer stages, not an error.
+    tight = DeviceProfile("cuda", "tight", 4, 6144, False, 0.0)
+    p = plan_matmul(4096, 4096, 4096, torch.float32, tight)
+    assert (p.block_m, p.block_n, p.block_k) == (16, 16, 16) and p.num_stages < 3 and p.tile_bytes <= 6144
+    with pytest.raises(TilingError, match="more than the 1024-byte on-chip budget of profile 'tiny'"):
+        plan_matmul(64, 64, 64, torch.float32, DeviceProfile("cuda", "tiny", 4, 1024, False, 0.0))
+    with pytest.raises(TilingError, match="max_block_k must be a power of two"):
+        plan_matmul(64, 64, 64, torch.float32, h100, max_block_k=48)
 
 
 def test_plans_are_cached_and_printable():

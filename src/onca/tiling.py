@@ -310,28 +310,39 @@ def plan_matmul(
     accumulators: int = 1,
     epilogue_tiles: int = 0,
     block_m: int | None = None,
+    max_block_n: int = _MAX_DOT_N,
+    max_block_k: int = _MAX_DOT_K,
+    num_warps: int | None = None,
 ) -> MatmulPlan:
     """Plan a tiled matmul ``(m, k) @ (k, n)`` in ``dtype`` with ``accumulators`` fp32 output tiles
     (two for a gated product computed in one pass) and ``epilogue_tiles`` more fp32 output-sized
     tiles alive in the epilogue. ``block_m`` fixes the row tile (kernels that share a row tiling).
 
-    Each side starts at the largest tile (128 x 128, k step 64), no larger than the problem needs
-    (and never below 16, ``tl.dot``'s minimum); the largest side is halved until the operand tiles
-    (times the pipeline's stages) and the fp32 tiles fit the profile's on-chip budget.
+    Each side starts at the largest tile (128 x 128, k step 64, or the caller's ``max_block_n`` /
+    ``max_block_k`` where its kernel measured faster so), no larger than the problem needs (and
+    never below 16, ``tl.dot``'s minimum); the largest side is halved until the operand tiles (times
+    the pipeline's stages) and the fp32 tiles fit the profile's on-chip budget, and at the smallest
+    tiles the pipeline loses stages. ``num_warps`` overrides the GPU's warp count (measured best for
+    a kernel); other profiles keep theirs.
     """
     profile = profile or get_profile()
     return _plan_matmul(int(m), int(n), int(k), dtype, profile, int(accumulators), int(epilogue_tiles),
-                        None if block_m is None else int(block_m))
+                        None if block_m is None else int(block_m), int(max_block_n), int(max_block_k),
+                        None if num_warps is None else int(num_warps))
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m) -> MatmulPlan:
+def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m, max_block_n, max_block_k,
+                 num_warps) -> MatmulPlan:
     if accumulators < 1:
         raise TilingError(f"a matmul needs at least one accumulator, got {accumulators}")
+    for name, side in (("max_block_n", max_block_n), ("max_block_k", max_block_k)):
+        if side < _MIN_DOT or side & (side - 1):
+            raise TilingError(f"{name} must be a power of two of at least {_MIN_DOT}, got {side}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     side = lambda size, largest: max(_MIN_DOT, min(largest, next_power_of_2(max(1, size))))  # noqa: E731
     bm = block_m if block_m is not None else side(m, _MAX_DOT_M)
-    bn, bk = side(n, _MAX_DOT_N), side(k, _MAX_DOT_K)
+    bn, bk = side(n, max_block_n), side(k, max_block_k)
     stages = 3 if profile.kind == "cuda" else 1
     fp32_tiles = accumulators + epilogue_tiles
 
@@ -350,6 +361,8 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m)
             bm //= 2
         elif bk > _MIN_DOT:
             bk //= 2
+        elif stages > 1:
+            stages -= 1
         else:
             raise TilingError(
                 f"the smallest matmul tiles ({bm} x {bn}, k step {bk}, {accumulators} accumulator(s)) "
@@ -357,6 +370,8 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m)
                 f"budget of profile {profile.name!r}"
             )
     warps = 8 if profile.kind == "cuda" and accumulators * bm * bn >= 128 * 128 else 4
+    if profile.kind == "cuda" and num_warps is not None:
+        warps = num_warps
     if profile.kind != "cuda":
         warps = 1 if profile.kind == "cpu" else 4
     return MatmulPlan(m, n, k, bm, bn, bk, accumulators, warps, stages, cost(bm, bn, bk),
