@@ -63,8 +63,10 @@ def check(x, params, **cfg):
                     x.dtype)
     assert out.dtype == x.dtype and out.shape == x.shape
     for name, a, e in zip(("h_pre", "h_post", "h_res"), coeffs, r_coeffs):
+        # fp32 from the stream's exact values whatever its dtype: the projection's matmul must
+        # not round x or phi to bf16 (its split products keep about 16 bits of each).
         assert a.dtype == torch.float32
-        assert_close(a, e, torch.float32 if x.dtype == torch.float32 else x.dtype, name)
+        assert_close(a, e, torch.float32, name)
     assert_close(out, r_out, x.dtype, "x_out")
     dout = randn(*x.shape, dtype=x.dtype, device=x.device)
     out.backward(dout)
@@ -95,19 +97,42 @@ def assert_sum_close(actual, shares, dtype, name):
     assert err <= allowed, f"{name}: {actual.item():.9g} vs {expected.item():.9g}, error {err:.3g} > {allowed:.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_matches_reference(profile, device, dtype):
     b, t, hc, c = BASE
     check(randn(b, t, hc, c, dtype=dtype, device=device), coeff_params(hc, c, device))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_projection_backward_keeps_fp32_operands_exact(device, dtype):
+    """The projection's backward multiplies fp32 ``d_proj`` and ``phi`` as split bf16 parts: ``dx
+    = d_proj @ phi.T - rms_coef * x`` where the two terms cancel to a few bf16 ulps (a single bf16
+    product would be wrong by as much as the result), and ``dphi = x.T @ d_proj`` at fp32's
+    tolerance."""
+    n, hc, c = 37, 4, 40 if SCALE == "cpu" else 1000
+    m = hc * hc + 2 * hc
+    phi, d_proj = randn(hc * c, m, device=device), randn(n, m, device=device)
+    rms_coef = torch.rand(n, device=device) + 0.5
+    product = d_proj.double() @ phi.double().t()
+    x = (product / rms_coef.double()[:, None]).to(dtype).view(n, hc, c)  # cancels up to x's rounding
+    dx, dphi = op._project_backward(x, phi, d_proj, rms_coef)
+    x64 = x.double().view(n, hc * c)
+    expected_dx = product - rms_coef.double()[:, None] * x64
+    assert_close(dx.view(n, hc * c), rounded(expected_dx, dtype), dtype, "dx")
+    assert_close(dphi, x64.t() @ d_proj.double(), torch.float32, "dphi")
+
+
 def test_column_tiled_path_and_odd_streams(device, onchip_bytes):
-    """Three streams (not a power of two) and a width that an 8 KiB budget splits into column tiles."""
+    """Three streams (not a power of two) and a width that an 8 KiB budget splits into column tiles;
+    the projection splits the stream's columns over several programs (few tokens), in both dtypes'
+    matmul paths."""
     forced = onchip_bytes(8192)
     c = 200 if SCALE == "cpu" else 8192
     plans = op.plan((5, 3, c), torch.float32, forced)
     assert plans["pre"].col_tiles > 1 and plans["post_res"].col_tiles > 1
-    check(randn(5, 3, c, device=device), coeff_params(3, c, device), tmax=3)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert op._projection_splits(5, 3 * c, op.plan((5, 3, c), dtype, forced)["projection"], forced) > 1
+        check(randn(5, 3, c, dtype=dtype, device=device), coeff_params(3, c, device), tmax=3)
 
 
 @pytest.mark.parametrize("hc,tmax,sinkhorn_eps", [(1, 1, 1e-6), (3, 2, 1e-6), (4, 20, 1e-6), (5, 5, 1e-6),

@@ -18,15 +18,24 @@ plus ``sinkhorn_eps``). The layer then runs on the mixed-down input and its outp
 Kernels: ``mhc_pre`` and ``mhc_post_res`` (the bandwidth-bound parts, reading the whole widened
 stream) are Triton kernels, forward and backward, one program per block of tokens computing in
 fp32 and storing in ``x``'s dtype; their coefficient gradients are reduced over ``C`` in registers.
-``mhc_coeffs`` runs the projection ``x_flat @ phi`` as one fp32 matmul and everything per token
-(the RMS factor, the sigmoids, the softmax and the ``2 * tmax - 1`` Sinkhorn normalisations) in
-one Triton kernel over blocks of tokens, each token's ``HC x HC`` block in registers. Its backward
-recomputes the projection, walks the Sinkhorn loop back in one kernel (nothing of the loop is kept
-between forward and backward: each program reruns it for its tokens into a scratch of its own,
-then reads the iterates back in reverse) that also reduces ``db`` and the ``alpha`` gradients per
-program, and finishes with the projection's two matmuls.
+``mhc_coeffs`` is two kernels forward. The projection kernel reads ``x`` once: each work item
+(a block of tokens times a slice of ``HC * C`` when there are too few token blocks to fill the
+device) accumulates its partial ``x_flat @ phi`` and sum of squares in fp32. The coefficient kernel
+sums those slices, applies the RMS factor, the sigmoids, the softmax and the ``2 * tmax - 1``
+Sinkhorn normalisations over blocks of tokens (each token's ``HC x HC`` block in registers), and
+stores the projection and the RMS factor, which are saved (``M + 1`` floats per token) so that the
+backward never recomputes them. The backward walks the Sinkhorn loop back in one kernel (nothing of
+the loop is kept: each program reruns it for its tokens into a scratch of its own, then reads the
+iterates back in reverse) that also reduces ``db`` and the ``alpha`` gradients per program; one more
+kernel computes ``dx = d_proj @ phi.T - coef * x`` and ``dphi``'s partial sums per token share
+(summed by the launcher in a fixed order, so the result is deterministic).
 As a torch composition the loop was about 640 small kernels per forward + backward. Coefficients
-are fp32, as in liger-kernel.
+are fp32, as in liger-kernel. The projections take fp32 operands (``phi``, ``d_proj``) without
+TF32's 10-bit mantissa loss: an fp32 operand is split into bf16 high and low parts and multiplied in
+three bf16 tensor-core dots (hi*hi + hi*lo + lo*hi, about 16 mantissa bits, near fp32 after the
+fp32 accumulation). Each k step's product starts from a fresh accumulator and is added in
+registers, because the tensor cores round toward zero when they accumulate: carried through the
+whole k loop, that bias measured 1.6e-4 of a coefficient on the H100.
 """
 
 from __future__ import annotations
@@ -36,11 +45,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile, interpreter_active
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_float, check_number, check_same_device, check_tensor
-from onca.tiling import RowPlan, next_power_of_2, plan_rows
+from onca.tiling import MatmulPlan, RowPlan, next_power_of_2, plan_matmul, plan_rows
 
 __all__ = ["mhc", "mhc_coeffs", "mhc_pre", "mhc_post_res", "plan"]
 
@@ -207,6 +216,127 @@ def _mhc_post_res_backward_kernel(
             tl.store(dhres_ptr + (rows64[:, None] * hc + i) * hc + hs[None, :], acc, mask=hmask)
 
 
+# How the projection's matmuls multiply (a constexpr): fp32 operands in full IEEE fp32 (an fp32
+# stream, as torch's fp32 matmul does by default); each fp32 operand split into two bf16 parts on
+# the tensor cores; or those same parts multiplied as fp32 (Triton's interpreter cannot multiply
+# bf16: the products of bf16 values are exact in fp32, so the result is the same).
+DOT_IEEE, DOT_SPLIT, DOT_SPLIT_FP32 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _dot_fresh(a, b, DOT: tl.constexpr):
+    # Two helpers rather than one taking ``acc=None``: Ascend's Triton (3.2) cannot pass a None
+    # accumulator through a jitted call to ``tl.dot``.
+    if DOT == DOT_SPLIT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_into(a, b, acc, DOT: tl.constexpr):
+    if DOT == DOT_SPLIT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _precise_dot(a, b, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, DOT: tl.constexpr):
+    """``a @ b`` (fp32) with about 16 significant bits per operand on bf16 tensor cores: an operand
+    that is not exact in bf16 (``SPLIT_*``: fp32, fp16) is split into ``hi = bf16(v)`` and ``lo =
+    bf16(v - hi)``; the product is ``a_hi b_hi + a_hi b_lo + a_lo b_hi`` (``a_lo b_lo`` is below
+    the rest's rounding). The projection's sums run over the whole widened stream (``HC * C``
+    terms): a single bf16 product would put bf16's rounding into every coefficient.
+
+    A fresh accumulator per call, which the caller adds to its own: the tensor cores round their
+    additions toward zero, and over thousands of them (a long ``k`` loop accumulating in the dot)
+    that bias reached 1.6e-4 of a coefficient on the H100; the caller's own adds round to nearest."""
+    if DOT == DOT_IEEE:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        a_hi = a.to(tl.bfloat16)
+        b_hi = b.to(tl.bfloat16)
+        acc = _dot_fresh(a_hi, b_hi, DOT)
+        if SPLIT_B:
+            acc = _dot_into(a_hi, (b.to(tl.float32) - b_hi.to(tl.float32)).to(tl.bfloat16), acc, DOT)
+        if SPLIT_A:
+            acc = _dot_into((a.to(tl.float32) - a_hi.to(tl.float32)).to(tl.bfloat16), b_hi, acc, DOT)
+    return acc
+
+
+@fast_launch
+@triton.jit
+def _mhc_projection_kernel(
+    x_ptr, phi_ptr, proj_ptr, squares_ptr, n_rows, k_cols, m_cols, k_splits, split_cols,
+    SPLIT_X: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_BLOCK: tl.constexpr,
+):
+    """For work items ``(block of tokens, split of x_flat's columns)``: the split's share of ``proj
+    = x_flat @ phi`` (``proj[split]``, ``(N, M)`` fp32) and of ``sum(x_flat**2)`` (``squares[split]``,
+    ``(N,)``), reading the stream once in its own dtype. Splitting the columns keeps every compute
+    unit busy with few tokens (each program reads ``phi``'s rows of its split once per block of
+    tokens: the fewer blocks, the less of that); the coefficient kernel adds the splits up."""
+    ms = tl.arange(0, M_BLOCK)
+    m_mask = ms < m_cols
+    for item in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_N) * k_splits, tl.num_programs(0)):
+        split = item % k_splits
+        rows = (item // k_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        acc = tl.zeros([BLOCK_N, M_BLOCK], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(split * split_cols, tl.minimum((split + 1) * split_cols, k_cols), BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_mask = cols < k_cols
+            x = tl.load(x_ptr + rows64[:, None] * k_cols + cols[None, :],
+                        mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            phi = tl.load(phi_ptr + cols[:, None] * m_cols + ms[None, :], mask=col_mask[:, None] & m_mask[None, :],
+                          other=0.0)
+            acc += _precise_dot(x, phi, SPLIT_X, True, DOT)
+        part = split.to(tl.int64) * n_rows + rows64
+        tl.store(proj_ptr + part[:, None] * m_cols + ms[None, :], acc, mask=row_mask[:, None] & m_mask[None, :])
+        tl.store(squares_ptr + part, squares, mask=row_mask)
+
+
+@fast_launch
+@triton.jit
+def _mhc_projection_backward_kernel(
+    x_ptr, phi_ptr, d_proj_ptr, rms_coef_ptr, dx_ptr, dphi_ptr, n_rows, k_cols, m_cols, n_shares,
+    SPLIT_X: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_BLOCK: tl.constexpr,
+):
+    """The projection's backward for work items ``(column tile of x_flat, share of the tokens)``:
+    ``dx = d_proj @ phi.T - rms_coef * x_flat`` (the RMS factor's term folded in), stored in
+    ``x``'s dtype, and the share's ``dphi = x_flat.T @ d_proj`` (fp32, in ``dphi[share]``; the
+    launcher sums the shares: no atomics, the same sum on every run). Each item reads its ``x``
+    tile once for both products."""
+    ms = tl.arange(0, M_BLOCK)
+    m_mask = ms < m_cols
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_N)
+    for item in tl.range(tl.program_id(0), tl.cdiv(k_cols, BLOCK_K) * n_shares, tl.num_programs(0)):
+        share = item % n_shares
+        cols = (item // n_shares) * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_mask = cols < k_cols
+        phi_t = tl.load(phi_ptr + cols[None, :] * m_cols + ms[:, None], mask=m_mask[:, None] & col_mask[None, :],
+                        other=0.0)
+        dphi = tl.zeros([BLOCK_K, M_BLOCK], dtype=tl.float32)
+        for row_block in range(share, n_row_blocks, n_shares):
+            rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + rows64[:, None] * k_cols + cols[None, :], mask=mask, other=0.0)
+            d_proj = tl.load(d_proj_ptr + rows64[:, None] * m_cols + ms[None, :],
+                             mask=row_mask[:, None] & m_mask[None, :], other=0.0)
+            coef = tl.load(rms_coef_ptr + rows64, mask=row_mask, other=0.0)
+            dx = _precise_dot(d_proj, phi_t, True, True, DOT) - coef[:, None] * x.to(tl.float32)
+            tl.store(dx_ptr + rows64[:, None] * k_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dphi += _precise_dot(tl.trans(x), d_proj, SPLIT_X, True, DOT)
+        tl.store(dphi_ptr + share.to(tl.int64) * k_cols * m_cols + cols[:, None] * m_cols + ms[None, :], dphi,
+                 mask=col_mask[:, None] & m_mask[None, :])
+
+
 @triton.jit
 def _sinkhorn_step(m, t, eps):
     """Iterate ``t`` (1-based) of the Sinkhorn loop over ``m (rows, HC, HC)``: the first and every
@@ -220,20 +350,6 @@ def _nonzero(sums):
     """A divisor for the Sinkhorn sums: only a padding row or column (all zeros) sums to zero (with
     ``sinkhorn_eps=0``), and 0/0 there would spread NaN into the real block through the next sums."""
     return tl.where(sums == 0.0, 1.0, sums)
-
-
-@triton.jit
-def _inverse_rms(x_ptr, rows64, row_mask, k_cols, rms_eps,
-                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COL_TILES: tl.constexpr):
-    """``rsqrt(mean(x_flat**2) + rms_eps)`` per token of the ``(N, HC * C)`` stream, in fp32."""
-    col_offsets = tl.arange(0, BLOCK_COLS)
-    squares = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-    for tile in range(COL_TILES):
-        cols = tile * BLOCK_COLS + col_offsets
-        x = tl.load(x_ptr + rows64[:, None] * k_cols + cols[None, :],
-                    mask=row_mask[:, None] & (cols < k_cols)[None, :], other=0.0).to(tl.float32)
-        squares += x * x
-    return 1.0 / tl.sqrt(tl.sum(squares, axis=1) / k_cols + rms_eps)
 
 
 @triton.jit
@@ -266,15 +382,33 @@ def _shared_coefficients(b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, hc, HC_BLOCK: 
     return hs, res_cols, square, a_pre, a_post, a_res, b_pre, b_post
 
 
+@triton.jit
+def _sum_projection_splits(parts_ptr, squares_ptr, proj_ptr, invr_ptr, rows64, row_mask, n_rows, m_cols, k_cols,
+                           k_splits, rms_eps, BLOCK_ROWS: tl.constexpr, M_BLOCK: tl.constexpr):
+    """``proj`` and ``invr = rsqrt(mean(x_flat**2) + rms_eps)`` of a block of tokens from the
+    projection kernel's column splits."""
+    ms = tl.arange(0, M_BLOCK)
+    mask = row_mask[:, None] & (ms < m_cols)[None, :]
+    proj = tl.zeros([BLOCK_ROWS, M_BLOCK], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    for split in range(k_splits):
+        part = split * n_rows + rows64
+        proj += tl.load(parts_ptr + part[:, None] * m_cols + ms[None, :], mask=mask, other=0.0)
+        squares += tl.load(squares_ptr + part, mask=row_mask, other=0.0)
+    tl.store(proj_ptr + rows64[:, None] * m_cols + ms[None, :], proj, mask=mask)
+    tl.store(invr_ptr + rows64, 1.0 / tl.sqrt(squares / k_cols + rms_eps), mask=row_mask)
+
+
 @fast_launch
 @triton.jit
 def _mhc_coeffs_forward_kernel(
-    x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, pre_ptr, post_ptr, res_ptr,
-    n_rows, hc, k_cols, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult,
-    HC_BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COL_TILES: tl.constexpr,
+    parts_ptr, squares_ptr, proj_ptr, invr_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, pre_ptr, post_ptr,
+    res_ptr, n_rows, hc, k_cols, k_splits, rms_eps, pre_eps, sinkhorn_eps, post_mult, tmax,
+    HC_BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, M_BLOCK: tl.constexpr,
 ):
-    """The coefficients of a block of tokens from ``proj = x_flat @ phi`` (fp32, ``(N, M)``): the RMS
-    factor from ``x``, the two sigmoids and the softmax plus Sinkhorn iterations, in registers."""
+    """The coefficients of a block of tokens: the projection's column splits added up into ``proj =
+    x_flat @ phi`` (``(N, M)``) and the RMS factor ``invr`` (``(N,)``), both stored for the backward
+    (fp32), then the two sigmoids and the softmax plus Sinkhorn iterations, in registers."""
     pid = tl.program_id(0)
     m_cols = hc * hc + 2 * hc
     hs, res_cols, square, a_pre, a_post, a_res, b_pre, b_post = _shared_coefficients(
@@ -283,7 +417,10 @@ def _mhc_coeffs_forward_kernel(
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)
-        invr = _inverse_rms(x_ptr, rows64, row_mask, k_cols, rms_eps, BLOCK_ROWS, BLOCK_COLS, COL_TILES)
+        _sum_projection_splits(parts_ptr, squares_ptr, proj_ptr, invr_ptr, rows64, row_mask, n_rows, m_cols,
+                               k_cols, k_splits, rms_eps, BLOCK_ROWS, M_BLOCK)
+        tl.debug_barrier()  # proj's row, written by other threads of this program, is read back below
+        invr = tl.load(invr_ptr + rows64, mask=row_mask, other=0.0)
         hmask = row_mask[:, None] & (hs < hc)[None, :]
         proj_row = proj_ptr + rows64[:, None] * m_cols + hs[None, :]
         mix_pre = tl.load(proj_row, mask=hmask, other=0.0) * invr[:, None]
@@ -303,10 +440,10 @@ def _mhc_coeffs_forward_kernel(
 @fast_launch
 @triton.jit
 def _mhc_coeffs_backward_kernel(
-    x_ptr, proj_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, d_pre_ptr, d_post_ptr, d_res_ptr,
+    proj_ptr, invr_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, d_pre_ptr, d_post_ptr, d_res_ptr,
     d_proj_ptr, rms_coef_ptr, partial_ptr, iterates_ptr,
-    n_rows, hc, k_cols, tmax, rms_eps, sinkhorn_eps, post_mult,
-    HC_BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COL_TILES: tl.constexpr,
+    n_rows, hc, k_cols, sinkhorn_eps, post_mult, tmax,
+    HC_BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     """Per token: ``d_proj = dL/d(x_flat @ phi)`` (``(N, M)``) and the RMS factor's term
     ``rms_coef = (d_mix . proj) * r**3 / K``, so that ``dx = d_proj @ phi.T - rms_coef * x_flat``;
@@ -336,8 +473,7 @@ def _mhc_coeffs_backward_kernel(
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)
-        invr = _inverse_rms(x_ptr, rows64, row_mask, k_cols, rms_eps, BLOCK_ROWS, BLOCK_COLS, COL_TILES)
-        invr = tl.where(row_mask, invr, 0.0)  # padding tokens add nothing to the partial sums
+        invr = tl.load(invr_ptr + rows64, mask=row_mask, other=0.0)  # padding tokens add nothing
         hmask = row_mask[:, None] & (hs < hc)[None, :]
         proj_row = proj_ptr + rows64[:, None] * m_cols + hs[None, :]
         proj_pre = tl.load(proj_row, mask=hmask, other=0.0)
@@ -410,9 +546,13 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
         tokens *= int(s)
     hc, c = int(shape[-2]), int(shape[-1])
     hb = next_power_of_2(hc)
+    tokens = max(1, tokens)
     return {
-        "pre": plan_rows(max(1, tokens), c, dtype, profile=profile, **_pre_tiles(hb)),
-        "post_res": plan_rows(max(1, tokens), c, dtype, profile=profile, **_post_tiles(hb)),
+        "pre": plan_rows(tokens, c, dtype, profile=profile, **_pre_tiles(hb)),
+        "post_res": plan_rows(tokens, c, dtype, profile=profile, **_post_tiles(hb)),
+        "coeffs": _coeff_plan(tokens, hc, profile),
+        "projection": _projection_plan(tokens, hc * c, hc, dtype, profile),
+        "projection_backward": _projection_backward_plan(tokens, hc * c, hc, dtype, profile),
     }
 
 
@@ -508,101 +648,178 @@ def _post_backward(ctx, dout):
 register_autograd(mhc_post_res_forward, _post_backward, setup_context=_post_setup)
 
 
-def _coeff_plan(n: int, k: int, dtype: torch.dtype, hc: int) -> RowPlan:
-    """Tokens per program and the tiles of the RMS pass over ``x_flat (N, HC * C)``. The per-token
-    blocks (``HC x HC``, a handful of them live at once, fp32) ride along: they bound the rows."""
+def _coeff_plan(n: int, hc: int, profile: DeviceProfile | None = None) -> RowPlan:
+    """Tokens per program of the coefficient kernels, over rows of ``proj`` (``M`` fp32): the
+    per-token ``HC x HC`` blocks (a handful of them live at once, fp32) bound the rows."""
     hb = next_power_of_2(hc)
-    return plan_rows(n, k, dtype, live_tiles=1, fp32_tiles=2, persistent=True,
-                     max_block_rows=max(1, 128 // (hb * hb)))
+    return plan_rows(n, hc * hc + 2 * hc, torch.float32, live_tiles=1, fp32_tiles=2, persistent=True,
+                     max_block_rows=max(1, 128 // (hb * hb)), profile=profile)
 
 
-def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
-    """``(x_flat, x_flat @ phi)``: the flat stream and its projection, fp32 (one matmul)."""
+def _m_block(hc: int) -> int:
+    """The projection's columns (``M = HC*HC + 2*HC``) as one ``tl.dot`` side (16 at least)."""
+    return max(16, next_power_of_2(hc * hc + 2 * hc))
+
+
+def _projection_plan(n: int, k: int, hc: int, dtype: torch.dtype, profile: DeviceProfile | None = None
+                     ) -> MatmulPlan:
+    """``x_flat (N, K) @ phi (K, M)``, skinny: reading ``x`` is its whole cost. Up to 128 tokens a
+    program by a k step of 128 over 8 warps, the fastest of 24 launch configurations timed on the
+    H100 at 8192 tokens (C 1024 and 4096); :func:`_projection_splits` splits ``K`` when that
+    leaves compute units idle."""
+    return plan_matmul(n, _m_block(hc), k, dtype, profile, max_block_k=128, num_warps=8)
+
+
+def _projection_splits(n: int, k: int, p: MatmulPlan, profile: DeviceProfile) -> int:
+    """Column splits of the projection: enough work items for two per compute unit, each split
+    at least eight ``k`` steps long."""
+    wanted = triton.cdiv(2 * profile.compute_units, triton.cdiv(n, p.block_m))
+    return max(1, min(wanted, triton.cdiv(k, 8 * p.block_k)))
+
+
+def _projection_backward_plan(n: int, k: int, hc: int, dtype: torch.dtype, profile: DeviceProfile | None = None
+                              ) -> MatmulPlan:
+    """``d_proj (N, M) @ phi.T (M, K)`` by tiles of 16 tokens x 256 columns of ``x_flat`` over 8
+    warps, with ``x``'s tile, ``dx`` and ``dphi``'s tile (fp32) alive beside the accumulator: the
+    fastest of ten configurations timed on the H100 (as the forward's), 3.8x the slowest."""
+    return plan_matmul(n, k, _m_block(hc), dtype, profile, epilogue_tiles=2, block_m=16, max_block_n=256,
+                       num_warps=8)
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return DOT_IEEE.value
+    return DOT_SPLIT_FP32.value if interpreter_active() else DOT_SPLIT.value
+
+
+def _project(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
+    """The projection's column splits: ``(proj parts (S, N, M), squares parts (S, N))``, fp32."""
     n, hc, c = x.shape
-    xm = x.reshape(n, hc * c).float()
-    return xm, xm @ phi.float()
+    k, m = hc * c, phi.shape[1]
+    profile = get_profile()
+    p = _projection_plan(n, k, hc, x.dtype, profile)
+    splits = _projection_splits(n, k, p, profile)
+    split_cols = triton.cdiv(triton.cdiv(k, p.block_k), splits) * p.block_k
+    splits = triton.cdiv(k, split_cols)  # none empty
+    items = triton.cdiv(n, p.block_m) * splits
+    parts, squares = x.new_empty((splits, n, m), dtype=torch.float32), x.new_empty((splits, n), dtype=torch.float32)
+    _mhc_projection_kernel[(min(items, profile.compute_units) if profile.persistent else items,)](
+        x, phi, parts, squares, n, k, m, splits, split_cols, SPLIT_X=x.dtype != torch.bfloat16,
+        DOT=_dot_mode(x.dtype), BLOCK_N=p.block_m, BLOCK_K=p.block_k, M_BLOCK=_m_block(hc),
+        num_warps=p.num_warps, num_stages=p.num_stages)
+    return parts, squares
 
 
-def _coeff_launch(kernel, x: Tensor, proj: Tensor, *args) -> None:
+def _project_backward(x: Tensor, phi: Tensor, d_proj: Tensor, rms_coef: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dx_flat in x's dtype, dphi fp32)`` of the projection and the RMS factor's term."""
     n, hc, c = x.shape
-    p = _coeff_plan(n, hc * c, x.dtype, hc)
-    kernel[(p.grid,)](x, proj, *args, HC_BLOCK=next_power_of_2(hc), BLOCK_ROWS=p.block_rows,
-                      BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps)
+    k, m = hc * c, d_proj.shape[1]
+    profile = get_profile()
+    p = _projection_backward_plan(n, k, hc, x.dtype, profile)
+    col_tiles, row_blocks = triton.cdiv(k, p.block_n), triton.cdiv(n, p.block_m)
+    # Token shares for four items per compute unit (timed: 1.3x two), each a few row blocks.
+    shares = max(1, min(row_blocks, triton.cdiv(4 * profile.compute_units, col_tiles)))
+    items = col_tiles * shares
+    dx = torch.empty_like(x)
+    dphi = d_proj.new_empty((shares, k, m))
+    _mhc_projection_backward_kernel[(min(items, profile.compute_units) if profile.persistent else items,)](
+        x, phi, d_proj, rms_coef, dx, dphi, n, k, m, shares, SPLIT_X=x.dtype != torch.bfloat16,
+        DOT=_dot_mode(x.dtype), BLOCK_N=p.block_m, BLOCK_K=p.block_n, M_BLOCK=_m_block(hc),
+        num_warps=p.num_warps, num_stages=p.num_stages)
+    return dx, dphi.sum(0)
+
+
+def _coeff_launch(kernel, n: int, hc: int, *args, **constexprs) -> None:
+    p = _coeff_plan(n, hc)
+    kernel[(p.grid,)](*args, HC_BLOCK=next_power_of_2(hc), BLOCK_ROWS=p.block_rows, num_warps=p.num_warps,
+                      **constexprs)
 
 
 @custom_op("mhc_coeffs_forward")
 def mhc_coeffs_forward(x: Tensor, phi: Tensor, b: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                        alpha_res: Tensor, tmax: int, rms_eps: float, pre_eps: float, sinkhorn_eps: float,
-                       post_mult: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(h_pre (N, HC), h_post (N, HC), h_res (N, HC, HC))`` fp32 for ``x (N, HC, C)``: the
-    projection by one matmul, everything per token by one kernel."""
+                       post_mult: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(h_pre (N, HC), h_post (N, HC), h_res (N, HC, HC))`` fp32 for ``x (N, HC, C)``, and what
+    the backward keeps of the forward: ``proj = x_flat @ phi (N, M)`` and the RMS factor ``invr
+    (N,)`` (fp32, a few numbers per token). One kernel reads ``x`` once for the projection and the
+    RMS factor, one computes everything per token."""
     n, hc, c = x.shape
+    m = hc * hc + 2 * hc
     f32 = dict(dtype=torch.float32)
     h_pre, h_post, h_res = x.new_empty((n, hc), **f32), x.new_empty((n, hc), **f32), x.new_empty((n, hc, hc), **f32)
+    proj, invr = x.new_empty((n, m), **f32), x.new_empty((n,), **f32)
     if n:
-        _, proj = _projection(x, phi)
-        _coeff_launch(_mhc_coeffs_forward_kernel, x, proj, b, alpha_pre, alpha_post, alpha_res, h_pre, h_post,
-                      h_res, n, hc, hc * c, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult)
-    return h_pre, h_post, h_res
+        parts, squares = _project(x, phi)
+        _coeff_launch(_mhc_coeffs_forward_kernel, n, hc, parts, squares, proj, invr, b, alpha_pre, alpha_post,
+                      alpha_res, h_pre, h_post, h_res, n, hc, hc * c, parts.shape[0], rms_eps, pre_eps, sinkhorn_eps,
+                      post_mult, tmax, M_BLOCK=next_power_of_2(m))
+    return h_pre, h_post, h_res, proj, invr
 
 
 @mhc_coeffs_forward.register_fake
 def _(x, phi, b, alpha_pre, alpha_post, alpha_res, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult):
     n, hc, _ = x.shape
     f32 = dict(dtype=torch.float32)
-    return x.new_empty((n, hc), **f32), x.new_empty((n, hc), **f32), x.new_empty((n, hc, hc), **f32)
+    return (x.new_empty((n, hc), **f32), x.new_empty((n, hc), **f32), x.new_empty((n, hc, hc), **f32),
+            x.new_empty((n, hc * hc + 2 * hc), **f32), x.new_empty((n,), **f32))
 
 
 @custom_op("mhc_coeffs_backward")
 def mhc_coeffs_backward(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, phi: Tensor, b: Tensor,
-                        alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor, tmax: int, rms_eps: float,
-                        pre_eps: float, sinkhorn_eps: float, post_mult: float
+                        alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor, proj: Tensor, invr: Tensor,
+                        tmax: int, sinkhorn_eps: float, post_mult: float
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``x, phi, b, alpha_pre, alpha_post, alpha_res``: the projection recomputed (one
-    matmul), the per-token chain (sigmoids, softmax, Sinkhorn walked back) in one kernel, then the
-    two matmuls of the projection's gradient."""
+    """Gradients of ``x, phi, b, alpha_pre, alpha_post, alpha_res``: the per-token chain (sigmoids,
+    softmax, Sinkhorn walked back) in one kernel, which also reduces ``db`` and the ``alpha``
+    gradients per program, then the projection's backward (``dx`` and ``dphi``) in one more."""
     n, hc, c = x.shape
     m = hc * hc + 2 * hc
-    xm, proj = _projection(x, phi)
     d_proj = proj.new_empty((n, m))
-    rms_coef = proj.new_empty((n, 1))
-    p = _coeff_plan(max(n, 1), hc * c, x.dtype, hc)
+    rms_coef = proj.new_empty((n,))
+    p = _coeff_plan(max(n, 1), hc)
     partials = proj.new_zeros((p.grid, m + 3))
     hb = next_power_of_2(hc)
     iterates = proj.new_empty((p.grid * (2 * tmax - 1) * p.block_rows * hb * hb,) if n else (0,))
     if n:
-        _coeff_launch(_mhc_coeffs_backward_kernel, x, proj, b, alpha_pre, alpha_post, alpha_res, d_pre, d_post,
-                      d_res, d_proj, rms_coef, partials, iterates, n, hc, hc * c, tmax, rms_eps, sinkhorn_eps,
-                      post_mult)
+        _coeff_launch(_mhc_coeffs_backward_kernel, n, hc, proj, invr, b, alpha_pre, alpha_post, alpha_res, d_pre,
+                      d_post, d_res, d_proj, rms_coef, partials, iterates, n, hc, hc * c, sinkhorn_eps, post_mult,
+                      tmax)
+        dx, dphi = _project_backward(x, phi, d_proj, rms_coef)
+    else:
+        dx, dphi = torch.zeros_like(x), phi.new_zeros(phi.shape, dtype=torch.float32)
     # Separate reductions, not views of one: a custom op's outputs may not alias each other.
     db = partials[:, :m].sum(0)
     d_alphas = [partials[:, m + i].sum() for i in range(3)]
-    dphi = xm.t() @ d_proj
-    # dx = d_proj @ phi^T - rms_coef * x_flat: the RMS factor's share folded into the matmul's epilogue
-    dx = torch.addmm(xm * rms_coef, d_proj, phi.float().t(), alpha=1.0, beta=-1.0) if n else xm.clone()
-    return (dx.to(x.dtype).view(n, hc, c), dphi.to(phi.dtype), db.to(b.dtype), d_alphas[0].to(alpha_pre.dtype),
+    return (dx, dphi.to(phi.dtype), db.to(b.dtype), d_alphas[0].to(alpha_pre.dtype),
             d_alphas[1].to(alpha_post.dtype), d_alphas[2].to(alpha_res.dtype))
 
 
 @mhc_coeffs_backward.register_fake
-def _(d_pre, d_post, d_res, x, phi, b, alpha_pre, alpha_post, alpha_res, tmax, rms_eps, pre_eps, sinkhorn_eps,
+def _(d_pre, d_post, d_res, x, phi, b, alpha_pre, alpha_post, alpha_res, proj, invr, tmax, sinkhorn_eps,
       post_mult):
     return tuple(torch.empty_like(t) for t in (x, phi, b, alpha_pre, alpha_post, alpha_res))
 
 
 def _coeffs_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:6])
-    ctx.options = inputs[6:]
+    ctx.save_for_backward(*inputs[:6], *output[3:])
+    ctx.mark_non_differentiable(*output[3:])
+    tmax, _, _, sinkhorn_eps, post_mult = inputs[6:]
+    ctx.options = (tmax, sinkhorn_eps, post_mult)
 
 
-def _coeffs_backward(ctx, d_pre, d_post, d_res):
-    d_pre, d_post, d_res = (t.contiguous() for t in (d_pre, d_post, d_res))
+def _coeffs_backward(ctx, d_pre, d_post, d_res, _d_proj, _d_invr):
+    x = ctx.saved_tensors[0]
+    n, hc, _ = x.shape
+    # The backward kernel takes all three gradients (each a few numbers per token): zeros for an
+    # unused coefficient.
+    d_pre, d_post = ((x.new_zeros((n, hc), dtype=torch.float32) if d is None else d.contiguous())
+                     for d in (d_pre, d_post))
+    d_res = x.new_zeros((n, hc, hc), dtype=torch.float32) if d_res is None else d_res.contiguous()
     return (*mhc_coeffs_backward(d_pre, d_post, d_res, *ctx.saved_tensors, *ctx.options), None, None, None, None,
             None)
 
 
-# The coefficients' backward kernel takes all three gradients (each a few numbers per token).
-register_autograd(mhc_coeffs_forward, _coeffs_backward, setup_context=_coeffs_setup, materialize_grads=True)
+register_autograd(mhc_coeffs_forward, _coeffs_backward, setup_context=_coeffs_setup)
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -650,7 +867,7 @@ def mhc_coeffs(x: Tensor, phi: Tensor, b: Tensor, alpha_pre: Tensor, alpha_post:
     for name, v in (("rms_eps", rms_eps), ("pre_eps", pre_eps), ("sinkhorn_eps", sinkhorn_eps)):
         check_number(v, name, minimum=0.0)
     check_number(post_mult, "post_mult")
-    h_pre, h_post, h_res = mhc_coeffs_forward(
+    h_pre, h_post, h_res, _, _ = mhc_coeffs_forward(
         x.reshape(n, hc, c).contiguous(), phi, b, alpha_pre.reshape(()), alpha_post.reshape(()),
         alpha_res.reshape(()), tmax, float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult))
     lead = tuple(x.shape[:-2])
