@@ -93,6 +93,26 @@ def test_bench_keeps_each_point_in_csv_and_json_when_cut_short(tmp_path, monkeyp
         ("onca", "speed", [rows[0]["x_value"]]), ("onca", "memory", [rows[0]["x_value"]])]
 
 
+def test_bench_json_keeps_earlier_runs_into_the_same_directory(tmp_path, capsys):
+    """Runs one after another into one directory (a provider per device call, say) add up in the op's
+    JSON: each run keeps what earlier runs measured and replaces only the points it measured again."""
+    out_dir = tmp_path / "data"
+    run = lambda providers: cli.main(["bench", "rms_norm", "--sweep", "d1", "--providers", providers,  # noqa: E731
+                                      "--modes", "full", "--out", str(out_dir), "--no-progress"])
+    assert run("onca") == 0
+    first = json.loads(next(out_dir.glob("rms_norm-cpu-bfloat16.json")).read_text())
+    assert run("torch") == 0 and run("onca") == 0
+    capsys.readouterr()
+    saved = json.loads(next(out_dir.glob("rms_norm-cpu-bfloat16.json")).read_text())
+    shape = lambda recs, provider: sorted(  # noqa: E731
+        (provider, r["metric_name"], r["x_name"], tuple(map(str, r["x_values"]))) for r in recs)
+    held = sorted((r["kernel_provider"], r["metric_name"], r["x_name"], tuple(map(str, r["x_values"])))
+                  for r in saved)
+    assert held == sorted(shape(first, "onca") + shape(first, "torch")), held
+    onca_speed = next(r for r in saved if r["kernel_provider"] == "onca" and r["metric_name"] == "speed")
+    assert onca_speed["timestamp"] >= first[0]["timestamp"]  # the rerun's points replaced the first run's
+
+
 def test_bench_rejects_unknown_names(capsys):
     assert cli.main(["bench", "nope"]) == 2
     assert cli.main(["bench", "rms_norm", "--providers", "onca,jax"]) == 2

@@ -188,8 +188,9 @@ def cmd_bench(args) -> int:
         dtype = str(args.dtype).replace("torch.", "")
         csv_path = os.path.join(args.out, "results.csv")
         json_path = os.path.join(args.out, f"{op}-{plot._slug(runner.gpu_name)}-{dtype}.json")
-        # Each point goes to the CSV and the JSON as it is measured: a run cut short keeps them.
-        measured, appended = [], []
+        # Each point goes to the CSV and the JSON as it is measured: a run cut short keeps them. The
+        # JSON keeps what earlier runs into this directory measured (other providers, sweeps, points).
+        measured, appended = records.read_json(json_path), []
 
         def keep(done, csv_path=csv_path, json_path=json_path, measured=measured, appended=appended):
             appended.append(records.append_csv(csv_path, done))

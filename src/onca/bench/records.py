@@ -132,16 +132,50 @@ def latest(rows: list[dict]) -> list[dict]:
 
 
 def merge(records: list[Record]) -> list[Record]:
-    """One record per (op, provider, metric, mode, sweep, x axis) holding the points of ``records``
-    in their order: what the per-point records of a run (``Harness.run``'s ``on_point``) add up to."""
+    """One record per (op, provider, metric, mode, sweep, x axis, device, dtype) holding the points of
+    ``records`` in their order: what the per-point records of a run (``Harness.run``'s ``on_point``)
+    add up to. A later point at an x already held replaces it in place, and the record takes the
+    later header (its timestamp): an earlier run's file merged with a new run keeps what the new
+    run did not measure."""
     merged: dict[tuple, Record] = {}
     for r in records:
         key = (r.kernel_name, r.kernel_provider, r.metric_name, r.kernel_operation_mode, r.sweep, r.x_name,
                r.gpu_name, r.dtype)
-        if key not in merged:
-            merged[key] = dataclasses.replace(r, points=[])
-        merged[key].points.extend(r.points)
+        held = merged.get(key)
+        merged[key] = dataclasses.replace(r, points=[] if held is None else held.points)
+        at = {_x_key(p.x): i for i, p in enumerate(merged[key].points)}
+        for p in r.points:
+            if _x_key(p.x) in at:
+                merged[key].points[at[_x_key(p.x)]] = p
+            else:
+                at[_x_key(p.x)] = len(merged[key].points)
+                merged[key].points.append(p)
     return list(merged.values())
+
+
+def _x_key(x) -> str:
+    # JSON and the CSV give x back as text or a number; a point is the same point either way.
+    return str(x)
+
+
+def read_json(path: str) -> list[Record]:
+    """The records of a JSON file written by ``write_json`` (an empty list if there is none)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        items = json.load(f)
+    heads = {f.name for f in dataclasses.fields(Record)} - {"points"}
+    out = []
+    for item in items:
+        n = len(item["x_values"])
+        extra = lambda key, i: item[key][i] if key in item else None  # noqa: E731
+        nan = lambda v: math.nan if v is None else v  # noqa: E731
+        points = [Point(x=item["x_values"][i], y50=nan(item["y_values_50"][i]), y20=nan(item["y_values_20"][i]),
+                        y80=nan(item["y_values_80"][i]), status=item["status"][i], note=item["note"][i],
+                        **{k: extra(k, i) for k in ("gbps", "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb")})
+                  for i in range(n)]
+        out.append(Record(**{k: item[k] for k in heads}, points=points))
+    return out
 
 
 def write_json(path: str, records: list[Record]) -> None:
