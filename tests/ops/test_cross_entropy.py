@@ -622,3 +622,32 @@ def test_op_contract_with_class_weights_and_metrics(device, reduction, overwrite
 
     backward = "scale_forward_gradient" if overwrite else "cross_entropy_backward"
     assert_op_contract(fn, (logits, target, weight), expect_ops={"cross_entropy_forward", backward})
+
+
+def test_second_backward_leaves_the_first_result_alone(device):
+    """retain_graph=True: a second backward hands over new tensors; the first one's result (which
+    autograd.grad returns without a copy) keeps its values."""
+    logits = make_logits((TOKENS, VOCAB), torch.float32, device)
+    target = make_target(TOKENS, VOCAB, device)
+    ref = leaf(logits)
+    cross_entropy(ref, target).backward()
+    base = leaf(logits)
+    loss = cross_entropy(base.clone(), target, overwrite_logits=True)
+    (first,) = torch.autograd.grad(loss * 3.0, base, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, base)
+    assert_close(first, 3 * ref.grad, torch.float32, "first")
+    assert_close(second, ref.grad, torch.float32, "second")
+
+
+def test_overwrite_logits_rows_with_unit_gradient(device):
+    """The in-place rescale skips the rows whose incoming gradient is exactly 1 and scales the rest."""
+    logits = make_logits((TOKENS, VOCAB), torch.float32, device)
+    target = make_target(TOKENS, VOCAB, device)
+    ref = leaf(logits)
+    cross_entropy(ref, target, reduction="none").sum().backward()
+    base = leaf(logits)
+    loss = cross_entropy(base.clone(), target, reduction="none", overwrite_logits=True)
+    g = torch.ones(TOKENS, device=device)
+    g[::3] = 2.5
+    loss.backward(g)
+    assert_close(base.grad, g[:, None] * ref.grad, torch.float32, "dlogits")

@@ -335,7 +335,8 @@ def test_does_not_modify_inputs_and_is_deterministic(device):
 
 def test_backward_twice(device):
     """retain_graph=True (or a benchmark timing backward alone): the forward-pass gradients are handed
-    over again, rescaled to the new incoming gradient, unless someone modified them meanwhile."""
+    over again, as new tensors rescaled to the new incoming gradient, unless someone modified the
+    first backward's (which became the .grad) meanwhile."""
     h, w, _, t = make_inputs(BASE, torch.float32, device)
     ref, (h64, _, _), _ = reference(h, w, None, t)
     ref.backward()
@@ -343,13 +344,19 @@ def test_backward_twice(device):
     loss = fused_linear_cross_entropy(hk, wk, t, chunk_tokens=CHUNK)
     loss.backward(torch.tensor(2.0), retain_graph=True)
     assert_close(hk.grad, 2 * h64.grad, torch.float32, "dhidden x2")
+    first = hk.grad
     hk.grad = wk.grad = None
     loss.backward(torch.tensor(0.5), retain_graph=True)
     assert_close(hk.grad, 0.5 * h64.grad, torch.float32, "dhidden x0.5")
-    # Accumulating into .grad (which is the handed-over tensor) is still right: 0.5 + 0.5 ...
-    loss.backward(torch.tensor(0.5), retain_graph=True)
+    assert_close(first, 2 * h64.grad, torch.float32, "the first backward's result, unchanged")
+    loss.backward(torch.tensor(0.5), retain_graph=True)  # accumulated into the second's tensor
     assert_close(hk.grad, h64.grad, torch.float32, "dhidden accumulated")
-    # ... but now the handed-over tensors were modified in place: a further backward is refused.
+    # Accumulating into the first backward's own tensors modifies them: a further backward is refused.
+    hk.grad = wk.grad = None
+    loss = fused_linear_cross_entropy(hk, wk, t, chunk_tokens=CHUNK)
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+    assert_close(hk.grad, 2 * h64.grad, torch.float32, "dhidden accumulated into the first")
     with pytest.raises(RuntimeError, match="modified after the first backward"):
         loss.backward(torch.tensor(0.5))
 
