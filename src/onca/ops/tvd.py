@@ -24,8 +24,11 @@ Gradients: w.r.t. ``input``, ``0.5 * sign(p - q)`` times the reduction's factor 
 gradient; w.r.t. ``target`` (when it requires one) the negation. Where ``p == q`` it is 0, as
 torch's autograd of ``0.5 * abs(p - q)`` gives (liger-kernel gives ``-0.5`` there). For the scalar
 reductions the forward kernel writes the input's gradient (for an incoming gradient of 1) in the
-same pass as the loss and saves only that: the backward pass multiplies it by the incoming
-gradient on the device (no host read). For ``none`` the backward kernel recomputes it from the
+same pass as the loss and keeps only that: the backward pass rescales it in place by the incoming
+gradient, reading the scale on the device and touching nothing when it is 1 (the usual case; no
+host read), and hands it over (``onca.ops.cross_entropy.ForwardGradients``, as the cross entropy
+does; traced by ``torch.compile``, into a new tensor). A second backward through the same graph
+gets a new tensor and leaves the first one's result alone. For ``none`` the backward kernel recomputes it from the
 saved ``input``/``target`` and the elementwise incoming gradient.
 
 The loss's factor is a device scalar (the count of tokens not ignored is never read on the host).
@@ -41,10 +44,11 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._contract import custom_op, register_autograd
+from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_float, check_same_device, check_tensor
+from onca.ops.cross_entropy import ForwardGradients, scale_forward_gradient
 from onca.ops.jsd import check_ignore_index, check_labels, token_scale
 from onca.tiling import RowPlan, plan_rows
 
@@ -231,21 +235,30 @@ def _(grad, input, target, shift_labels, ignore_index, want_input_grad, want_tar
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves ``dinput`` when the forward op wrote it, else the 2-D inputs and the labels."""
+    """Keeps ``dinput`` when the forward op wrote it (eager: handed over by
+    ``ForwardGradients``; traced: saved), else saves the 2-D inputs and the labels."""
     input, target, shift_labels, reduction, ignore_index, precompute_grad = inputs
-    _loss, dp = output
+    loss, dp = output
     ctx.mark_non_differentiable(dp)
     ctx.precomputed = precompute_grad and reduction != "none"
     ctx.ignore_index = ignore_index
     ctx.target_dtype = target.dtype
-    ctx.save_for_backward(*((dp,) if ctx.precomputed else (input, target, shift_labels)))
+    ctx.eager = not tracing(input, loss)
+    if not ctx.precomputed:
+        ctx.save_for_backward(input, target, shift_labels)
+    elif ctx.eager:
+        ctx.grads = ForwardGradients([dp])
+    else:
+        ctx.save_for_backward(dp)
 
 
 def _backward(ctx, grad, _grad_dp):
     want_dp, want_dq = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.precomputed:
-        (dp,) = ctx.saved_tensors
-        dp = dp * grad.to(dp.dtype)
+        if ctx.eager:
+            (dp,) = ctx.grads.take(grad)
+        else:
+            dp = scale_forward_gradient(ctx.saved_tensors[0], grad, None, False)
         dq = (-dp).to(ctx.target_dtype) if want_dq else None
         return dp if want_dp else None, dq, None, None, None, None
     input, target, shift_labels = ctx.saved_tensors
