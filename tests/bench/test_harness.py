@@ -299,6 +299,25 @@ def test_summary_names_the_gpu_of_each_row():
     assert lines[2].startswith("| a | H200 | 1.0000 |") and lines[3].startswith("| b | H100 | 2.0000 | 1.0000 |")
 
 
+def test_summary_never_divides_across_gpus():
+    """A line takes every provider from the GPU onca last ran on: an op re-run on another GPU without
+    torch shows no torch ratio rather than one against the other GPU's torch."""
+    def row(provider, value, gpu, stamp):
+        return {"kernel_name": "a", "sweep": "d2", "x_value": "llama-3-8b", "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": "speed", "kernel_provider": provider, "y_value_50": value,
+                "gpu_name": gpu, "timestamp": stamp}
+
+    rows = [row("onca", 4.0, "NVIDIA H200", "2026-11-22"), row("torch", 8.0, "NVIDIA H200", "2026-11-22"),
+            row("onca", 2.0, "NVIDIA H100 80GB HBM3", "2026-11-25"), row("liger", 3.0, "NVIDIA H100 80GB HBM3",
+                                                                          "2026-11-25")]
+    line = report.summary(rows).splitlines()[2]
+    assert line.startswith("| a | llama-3-8b | H100 | 2.000 | - | - | 1.50x |"), line
+    for r in rows:
+        r["sweep"] = "overhead"
+    line = report.overhead_summary(rows).splitlines()[2]
+    assert line.startswith("| a | H100 | 2.0000 | - |"), line
+
+
 def test_peer_providers_are_run_beside_the_harness_own():
     """A benchmark's ``peers`` (another library's implementation) are measured and recorded like
     liger; naming the providers explicitly leaves them out; a failing import marks one unavailable."""

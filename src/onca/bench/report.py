@@ -80,26 +80,41 @@ def short_gpu_name(name: str) -> str:
     return words[0] if words else "-"
 
 
+def _on_newest_gpu(rows: list[dict], what) -> tuple[dict, dict]:
+    """``({(op, gpu, what(row)): newest row}, {op: the GPU of its newest onca row})``: a table line
+    takes every provider from the GPU that onca last ran on, never a ratio across two GPUs. Ops
+    that onca never ran are left out."""
+    by_key: dict[tuple, dict] = {}
+    newest_onca: dict[str, dict] = {}
+    for r in rows:
+        key = (r["kernel_name"], r["gpu_name"], what(r))
+        if key not in by_key or r.get("timestamp", "") >= by_key[key].get("timestamp", ""):
+            by_key[key] = r
+        if r["kernel_provider"] == "onca":
+            held = newest_onca.get(r["kernel_name"])
+            if held is None or r.get("timestamp", "") >= held.get("timestamp", ""):
+                newest_onca[r["kernel_name"]] = r
+    # Ops in the order they first appear, as before.
+    order = list(dict.fromkeys(r["kernel_name"] for r in rows if r["kernel_name"] in newest_onca))
+    return by_key, {op: newest_onca[op]["gpu_name"] for op in order}
+
+
 def summary(rows: list[dict], mode: str = "full") -> str:
     """A Markdown table, one line per op: its headline D2 point in ``mode`` (from CSV rows as
     ``records.read_csv`` returns them, newest record per point), the GPU it ran on, each provider's
     median time, and onca's peak memory beside liger-kernel's. Ratios as in :func:`table`."""
-    by_key: dict[tuple, dict] = {}
-    for r in rows:
-        if r["sweep"] != "d2" or r["kernel_operation_mode"] != mode:
-            continue
-        if r["x_value"] != HEADLINE_MODEL.get(r["kernel_name"], DEFAULT_HEADLINE_MODEL):
-            continue
-        by_key[(r["kernel_name"], r["kernel_provider"], r["metric_name"])] = r
-    ops = sorted({k[0] for k in by_key}, key=lambda op: list(by_key).index(next(k for k in by_key if k[0] == op)))
+    headline = [r for r in rows if r["sweep"] == "d2" and r["kernel_operation_mode"] == mode
+                and r["x_value"] == HEADLINE_MODEL.get(r["kernel_name"], DEFAULT_HEADLINE_MODEL)]
+    by_key, gpu_of = _on_newest_gpu(headline, lambda r: (r["kernel_provider"], r["metric_name"]))
+    ops = list(gpu_of)
     head = ["kernel", "shape", "gpu", "onca ms", "vs torch", "vs compile", "vs liger", "onca MB", "liger MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op in ops:
         def get(provider, metric="speed"):
-            r = by_key.get((op, provider, metric))
+            r = by_key.get((op, gpu_of[op], (provider, metric)))
             return r["y_value_50"] if r and r["status"] == "ok" else math.nan
         onca = get("onca")
-        measured_on = by_key.get((op, "onca", "speed"), {}).get("gpu_name", "")
+        measured_on = gpu_of[op]
         cells = [op, HEADLINE_MODEL.get(op, DEFAULT_HEADLINE_MODEL), short_gpu_name(measured_on), _fmt(onca, 3)]
         cells += [_fmt(get(p) / onca, 2, "x") for p in ("torch", "torch_compile", "liger")]
         cells += [_fmt(get("onca", "memory"), 0), _fmt(get("liger", "memory"), 0)]
@@ -110,20 +125,21 @@ def summary(rows: list[dict], mode: str = "full") -> str:
 def overhead_summary(rows: list[dict], mode: str = "full") -> str:
     """A Markdown table of the overhead sweep (16 tokens, wall clock per call): per op, each
     provider's time and its ratio to onca's (above 1: onca is faster). Empty if none was run."""
-    by_key = {(r["kernel_name"], r["kernel_provider"]): r for r in rows
-              if r["sweep"] == "overhead" and r["kernel_operation_mode"] == mode and r["metric_name"] == "speed"}
+    by_key, gpu_of = _on_newest_gpu(
+        [r for r in rows if r["sweep"] == "overhead" and r["kernel_operation_mode"] == mode
+         and r["metric_name"] == "speed"], lambda r: r["kernel_provider"])
     if not by_key:
         return ""
     # Only the peers that were run: a column of dashes says nothing.
-    providers = tuple(p for p in ("torch", "torch_compile", "liger") if any(k[1] == p for k in by_key))
+    providers = tuple(p for p in ("torch", "torch_compile", "liger") if any(k[2] == p for k in by_key))
     head = ["kernel", "gpu", "onca ms", *(f"{p} ms" for p in providers), *(f"vs {p}" for p in providers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for op in sorted({k[0] for k in by_key}):
+    for op in sorted(gpu_of):
         def get(provider):
-            r = by_key.get((op, provider))
+            r = by_key.get((op, gpu_of[op], provider))
             return r["y_value_50"] if r and r["status"] == "ok" else math.nan
         onca = get("onca")
-        measured_on = short_gpu_name(by_key.get((op, "onca"), {}).get("gpu_name", ""))
+        measured_on = short_gpu_name(gpu_of[op])
         cells = [op, measured_on, _fmt(onca, 4), *(_fmt(get(p), 4) for p in providers), *(_fmt(get(p) / onca, 2, "x")
                                                                                for p in providers)]
         lines.append("| " + " | ".join(cells) + " |")
