@@ -40,6 +40,7 @@ class _Compiled:
 
     function = 77
     packed_metadata = ("meta",)
+    error = None  # what the launcher raises (Triton's refuses a pointer the GPU cannot reach)
 
     def __init__(self, launches):
         self.launches = launches
@@ -48,6 +49,8 @@ class _Compiled:
         return None
 
     def run(self, *args):
+        if self.error is not None:
+            raise self.error
         self.launches.append(args)
 
 
@@ -167,6 +170,23 @@ def test_what_the_shortcut_leaves_to_triton(cuda_like, monkeypatch, case):
     for _ in range(3):
         kernel[grid](*args, **kwargs)
     assert len(calls) == 3 and len(launches) == 3  # every launch went through JITFunction.run
+
+
+@pytest.mark.parametrize("route", ["through Triton", "direct"])
+def test_a_cpu_tensor_is_named(cuda_like, monkeypatch, route):
+    """Triton's launcher refuses a pointer the GPU cannot reach without naming it; both routes name
+    the kernel's CPU tensors instead. Other errors pass through unchanged."""
+    kernel = FastLaunch(JITFunction(_sample))
+    x = _tensors()[0]
+    if route == "direct":
+        kernel[(1,)](x, x, 16, 16, 1.0, True, BLOCK=64)  # compiled: the next launch is direct
+
+    monkeypatch.setattr(_Compiled, "error", ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)"))
+    with pytest.raises(ValueError, match=r"_sample: x_ptr, y_ptr are CPU tensors, but this kernel runs on the GPU"):
+        kernel[(1,)](x, x, 16, 16, 1.0, True, BLOCK=64)
+    monkeypatch.setattr(_Compiled, "error", ValueError("other"))
+    with pytest.raises(ValueError, match="^other$"):
+        kernel[(1,)](x, x, 16, 16, 1.0, True, BLOCK=64)
 
 
 class _IntLike(int):

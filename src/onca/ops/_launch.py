@@ -24,6 +24,10 @@ shortcut rests on, against the installed Triton: the key above never merges two 
 Triton specializes differently, and a direct launch passes the compiled kernel exactly the
 arguments ``JITFunction.run`` passes it, less the launch metadata and Triton's empty hook chains,
 for which it passes None (the launcher then calls no hook, as with an empty chain).
+
+Both routes end in Triton's launcher, which checks every pointer on every launch: a tensor in
+pageable CPU memory is refused there ("cannot be accessed from Triton"), never read by the GPU.
+That error names no argument; :class:`FastLaunch` re-raises it naming the kernel's CPU tensors.
 """
 
 from __future__ import annotations
@@ -129,16 +133,19 @@ class FastLaunch:
         device = runtime.current_device()
         key = specialization_key(device, args, kwargs)
         entry = self._compiled.get(key, None) if key is not None else _SLOW
-        if entry is None:
-            compiled = self.fn[grid](*args, **kwargs)
-            self._compiled[key] = self._entry(compiled, args, kwargs)
-            return compiled
-        if entry is _SLOW:
-            return self.fn[grid](*args, **kwargs)
-        run, function, metadata, tail = entry
-        n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, runtime.current_stream(device), function,
-            metadata, None, None, None, *args, *tail)
+        try:
+            if entry is None:
+                compiled = self.fn[grid](*args, **kwargs)
+                self._compiled[key] = self._entry(compiled, args, kwargs)
+                return compiled
+            if entry is _SLOW:
+                return self.fn[grid](*args, **kwargs)
+            run, function, metadata, tail = entry
+            n = len(grid)
+            run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, runtime.current_stream(device), function,
+                metadata, None, None, None, *args, *tail)
+        except ValueError as exc:
+            raise _named_pointer_error(self.fn, args, exc) from exc
         return None
 
     def _entry(self, compiled, args: tuple, kwargs: dict):
@@ -163,6 +170,21 @@ class FastLaunch:
             else:
                 return _SLOW
         return compiled.run, compiled.function, compiled.packed_metadata, tuple(tail)
+
+
+def _named_pointer_error(fn, args: tuple, exc: ValueError) -> ValueError:
+    """Triton's launcher refuses a pointer the GPU cannot reach (a tensor in pageable CPU memory)
+    with "Pointer argument cannot be accessed from Triton (cpu tensor?)", naming no argument: the
+    same error naming the kernel's CPU tensors. Any other error is returned as it is."""
+    if "cannot be accessed from Triton" not in str(exc):
+        return exc
+    names = getattr(fn, "arg_names", None) or [f"argument {i}" for i in range(len(args))]
+    cpu = [name for name, arg in zip(names, args) if isinstance(arg, torch.Tensor) and arg.device.type == "cpu"]
+    if not cpu:
+        return exc
+    return ValueError(
+        f"{getattr(fn, '__name__', 'kernel')}: {', '.join(cpu)} {'is a CPU tensor' if len(cpu) == 1 else 'are CPU tensors'}"
+        f", but this kernel runs on the GPU: move the op's inputs to the GPU (e.g. tensor.cuda())")
 
 
 def _hooked(hook) -> bool:
