@@ -1,0 +1,116 @@
+"""Device time per kernel of one forward + backward step of a benchmark point, per provider
+(torch.profiler): which kernel a gap to a peer lives in, where the harness gives one number.
+
+    python -m tools.kernel_times mhc qwen3-0.6b onca liger      # a D2 point (a model name)
+    python -m tools.kernel_times rms_norm --small onca torch      # the overhead sweep's point
+    python -m tools.kernel_times tvd llama-3-8b onca --top 5
+
+On a GPU it times CUDA kernels over ``--steps`` steps after a warm-up (gradients cleared between
+steps, as the harness does), and prints each provider's total and its ``--top`` kernels with their
+launches per step. Without a GPU it runs the same steps on the CPU and lists torch's CPU ops (the
+Triton kernels run under the interpreter and are not listed): a check that the point and providers
+exist, not a measurement. A provider that fails prints one line and the next one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from onca.bench import harness
+
+FACTORIES = {"onca": "onca", "torch": "reference", "liger": "liger"}
+
+
+def point_params(bench, point: str | None) -> dict:
+    """The parameters of the op's D2 point named ``point`` (a model), or (None) of its overhead
+    sweep's point (16 tokens)."""
+    if point is None:
+        return dict(bench.overhead_sweep().points[0][1])
+    for sweep in bench.sweep("d2"):
+        for x, params in sweep.points:
+            if x == point:
+                return dict(params)
+    names = [x for sweep in bench.sweep("d2") for x, _ in sweep.points]
+    raise SystemExit(f"kernel_times: {bench.name} has no D2 point {point!r} (points: {', '.join(names)})")
+
+
+def step_fn(bench, provider: str, params: dict, device: str):
+    """One forward + backward of ``provider`` at ``params``, as the harness's full mode runs it."""
+    attr = FACTORIES.get(provider)
+    factory = getattr(bench, attr) if attr else bench.peers.get(provider)
+    if factory is None:
+        raise ValueError(f"{bench.name} has no provider {provider!r}")
+    inputs = bench.make_inputs(params, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    run = factory(params, inputs)
+    grads = harness._outputs_and_grads(run())[1]
+    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        outs, _ = harness._outputs_and_grads(run(), make_grads=False)
+        torch.autograd.backward(outs, grads)
+
+    return step
+
+
+def kernel_times(step, device: str, steps: int) -> list[tuple[str, float, float]]:
+    """``(kernel, microseconds per step, launches per step)``, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            rows.append((event.key, us / steps, event.count / steps))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.kernel_times", description=__doc__.splitlines()[0])
+    parser.add_argument("op")
+    parser.add_argument("point", nargs="?", help="a D2 point (model name); omit with --small")
+    parser.add_argument("providers", nargs="*", default=["onca"])
+    parser.add_argument("--small", action="store_true", help="the overhead sweep's point (16 tokens) instead")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_intermixed_args(argv)
+    if args.small and args.point is not None:
+        args.providers.insert(0, args.point)
+        args.point = None
+    if not args.small and args.point is None:
+        parser.error("name a D2 point (a model) or pass --small")
+    bench = harness.load(args.op)
+    params = point_params(bench, args.point)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for provider in args.providers or ["onca"]:
+        try:
+            rows = kernel_times(step_fn(bench, provider, params, device), device, args.steps)
+        except Exception as exc:  # a peer that fails (not installed, out of memory) does not stop the rest
+            print(f"== {args.op} {provider}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        total = sum(us for _, us, _ in rows) if device == "cuda" else None
+        head = f"== {args.op} {provider} {params}"
+        print(head + (f": {total:.1f} us of kernels per step" if total is not None else " (CPU ops, not a measurement)"))
+        for name, us, count in rows[:args.top]:
+            print(f"  {us:10.1f} us  x{count:<5.1f} {name[:110]}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
