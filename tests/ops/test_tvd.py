@@ -85,6 +85,14 @@ def test_low_precision(device, reduction, dtype):
     check(*make_inputs(BASE_SHAPE, dtype, device), make_labels(BASE_SHAPE, device), reduction)
 
 
+def test_fp16_mean_under_a_loss_scale(device):
+    """fp16 under a GradScaler-style loss scale, a mean over 2**24 elements: the unit-gradient values
+    (0.5 / (tokens x vocab) = 2**-25) are below fp16's smallest subnormal, the scaled ones are not.
+    A gradient computed in the forward pass and rescaled afterwards would be all zeros."""
+    p, q = make_inputs((512, 32768), torch.float16, device)
+    check(p, q, None, "mean", grad_scale=65536.0)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_shapes(profile, device, shape):
     """Any leading shape: ``batchmean`` counts tokens (rows), ``mean`` tokens x vocab."""

@@ -23,12 +23,15 @@ fp32 whatever the inputs' dtype, as liger-kernel returns it.
 Gradients: w.r.t. ``input``, ``0.5 * sign(p - q)`` times the reduction's factor and the incoming
 gradient; w.r.t. ``target`` (when it requires one) the negation. Where ``p == q`` it is 0, as
 torch's autograd of ``0.5 * abs(p - q)`` gives (liger-kernel gives ``-0.5`` there). For the scalar
-reductions the forward kernel writes the input's gradient (for an incoming gradient of 1) in the
-same pass as the loss and keeps only that: the backward pass rescales it in place by the incoming
-gradient, reading the scale on the device and touching nothing when it is 1 (the usual case; no
+reductions (fp32 and bf16 inputs) the forward kernel writes the input's gradient (for an incoming
+gradient of 1) in the same pass as the loss and keeps only that: the backward pass rescales it
+in place by the incoming gradient, reading the scale on the device and touching nothing when it is 1 (the usual case; no
 host read), and hands it over (``onca.ops.cross_entropy.ForwardGradients``, as the cross entropy
 does; traced by ``torch.compile``, into a new tensor). A second backward through the same graph
-gets a new tensor and leaves the first one's result alone. For ``none`` the backward kernel recomputes it from the
+gets a new tensor and leaves the first one's result alone. fp16 inputs skip that: the unit-gradient
+values of a mean over more than 2**24 elements are below fp16's smallest subnormal, and a loss
+scale applied afterwards would multiply zeros; their backward kernel computes the gradient from the
+saved inputs and the incoming gradient times the reduction's factor, in fp32, rounding once. For ``none`` the backward kernel recomputes it from the
 saved ``input``/``target`` and the elementwise incoming gradient.
 
 The loss's factor is a device scalar (the count of tokens not ignored is never read on the host).
@@ -213,8 +216,9 @@ def _(input, target, shift_labels, reduction, ignore_index, precompute_grad):
 @custom_op("tvd_backward")
 def tvd_backward(grad: Tensor, input: Tensor, target: Tensor, shift_labels: Tensor | None,
                  ignore_index: int, want_input_grad: bool, want_target_grad: bool) -> tuple[Tensor, Tensor]:
-    """``(dinput, dtarget)`` for the elementwise incoming gradient ``grad`` (reduction ``none``);
-    a gradient not wanted is an empty tensor."""
+    """``(dinput, dtarget)`` for the elementwise incoming gradient ``grad`` (reduction ``none``), or
+    for a one-element fp32 ``grad`` that already holds the reduction's factor (a scalar loss whose
+    gradient was not computed in the forward pass); a gradient not wanted is an empty tensor."""
     rows, cols = input.shape
     dp = torch.empty((rows, cols) if want_input_grad else (0,), dtype=input.dtype, device=input.device)
     dq = torch.empty((rows, cols) if want_target_grad else (0,), dtype=target.dtype, device=target.device)
@@ -241,6 +245,7 @@ def _setup_context(ctx, inputs, output):
     loss, dp = output
     ctx.mark_non_differentiable(dp)
     ctx.precomputed = precompute_grad and reduction != "none"
+    ctx.reduction = reduction
     ctx.ignore_index = ignore_index
     ctx.target_dtype = target.dtype
     ctx.eager = not tracing(input, loss)
@@ -262,7 +267,13 @@ def _backward(ctx, grad, _grad_dp):
         dq = (-dp).to(ctx.target_dtype) if want_dq else None
         return dp if want_dp else None, dq, None, None, None, None
     input, target, shift_labels = ctx.saved_tensors
-    dp, dq = tvd_backward(as_rows(grad), input, target, shift_labels, ctx.ignore_index, want_dp, want_dq)
+    if ctx.reduction == "none":
+        g = as_rows(grad)
+    else:  # a scalar loss (fp16 inputs): the incoming gradient times the reduction's factor, fp32
+        rows, cols = input.shape
+        factor, const = _factor(shift_labels, rows, cols, ctx.ignore_index, ctx.reduction, input.device)
+        g = grad.to(torch.float32).reshape(1) * factor * const
+    dp, dq = tvd_backward(g, input, target, shift_labels, ctx.ignore_index, want_dp, want_dq)
     return dp if want_dp else None, dq if want_dq else None, None, None, None, None
 
 
@@ -308,6 +319,9 @@ def tvd(
     docstring for empty and all-ignored inputs."""
     labels = _validate(input, target, shift_labels, reduction, ignore_index)
     grad_on = torch.is_grad_enabled() and (input.requires_grad or target.requires_grad)
-    precompute_grad = reduction != "none" and grad_on
+    # fp16 cannot hold the unit-gradient values of a large mean (0.5 / (tokens x vocab) is below its
+    # smallest subnormal past 2**24 elements): rescaling them later by a loss scale (GradScaler)
+    # would scale zeros. fp16 computes the gradient in the backward, from the incoming gradient.
+    precompute_grad = reduction != "none" and grad_on and input.dtype != torch.float16
     loss, _ = tvd_forward(as_rows(input), as_rows(target), labels, reduction, ignore_index, precompute_grad)
     return loss.view(input.shape) if reduction == "none" else loss
