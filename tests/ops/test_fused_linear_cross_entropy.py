@@ -649,3 +649,25 @@ def test_op_contract_with_extended_options(device, reduction):
 
     backward = "fused_linear_cross_entropy_backward" if reduction == "none" else "scale_forward_gradient"
     assert_op_contract(fn, inputs, expect_ops={"fused_linear_cross_entropy_forward", backward})
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fp16_under_a_loss_scale(device, reduction):
+    """fp16 under a GradScaler-style loss scale: the gradients carry the scale from the start (the
+    deferred path), so they are as close to the exact ones as fp16 can hold. Computed at unit scale
+    in the forward pass and rescaled afterwards, a mean over 2048 tokens left ``dhidden`` several
+    times further off (its logits gradients ``p / tokens`` below fp16's normal range)."""
+    tokens, hidden, vocab = 2048, 32, 256
+    loss_scale = 65536.0 if reduction == "mean" else 32.0  # a sum's gradients are tokens x larger
+    torch.manual_seed(0)
+    h = randn(tokens, hidden, device=device).half()
+    w = (randn(vocab, hidden, device=device) * 0.02).half()
+    t = torch.randint(0, vocab, (tokens,), device=device)
+    hk, wk = leaf(h), leaf(w)
+    (fused_linear_cross_entropy(hk, wk, t, reduction=reduction) * loss_scale).backward()
+    h64, w64 = leaf(h.double()), leaf(w.double())
+    (torch.nn.functional.cross_entropy(h64 @ w64.T, t, reduction=reduction) * loss_scale).backward()
+    for name, got, exact in (("dhidden", hk.grad, h64.grad), ("dweight", wk.grad, w64.grad)):
+        rounding = (exact.half().double() - exact).norm() / exact.norm()  # the best fp16 can do
+        error = (got.double() - exact).norm() / exact.norm()
+        assert error < 3 * rounding, f"{name}: {error:.2e} from the exact gradient, fp16 rounding {rounding:.2e}"

@@ -27,7 +27,13 @@ The token accuracy and predicted tokens come from that same pass: no logits beyo
 before it is summed into ``dW``, and it is unknown in the forward pass. The forward pass then
 computes the loss alone (one matmul per chunk, no gradient) and saves the hidden states, the
 head, the targets and one fp32 log-sum-exp per token; the backward pass recomputes each chunk's
-logits and writes their scaled gradient in one pass (4 matmuls in all instead of 3).
+logits and writes their scaled gradient in one pass (4 matmuls in all instead of 3). fp16 inputs
+take this deferred path for every reduction: a mean's unit-scale logits gradients (``p / tokens``)
+lie below fp16's normal range, and a loss scale (GradScaler) multiplied in afterwards cannot bring
+back what fp16 rounded away (at 4096 tokens under a 65536 scale, ``dhidden`` was 18x further from
+the exact gradient than fp16's own rounding); deferred, the incoming gradient is folded into the
+fp32 logits gradient before its one rounding. bf16 has fp32's exponent range and keeps the 3-matmul
+path.
 
 Chunk size: the scratch holds ``chunk * vocab`` elements. Larger chunks make the weight-gradient
 update ``dW += ...`` cheaper (it reads and writes all of ``dW`` once per chunk, so with few tokens
@@ -44,8 +50,8 @@ the benchmark's ``chunk_tokens`` sweep shows what the chunk size costs in time a
 ``accum_dtype=torch.float32`` (then in an fp32 buffer, cast once at the end). The loss is fp32,
 as Hugging Face's loss on upcast logits. A weight tied to the input embedding needs nothing
 special: its gradient from this op reaches the shared parameter through autograd and adds to the
-embedding's. Saved for backward: the three gradients (or, for ``reduction="none"``, the inputs
-and the per-token log-sum-exp).
+embedding's. Saved for backward: the three gradients (or, on the deferred path, the inputs and
+the per-token log-sum-exp).
 """
 
 from __future__ import annotations
@@ -207,6 +213,15 @@ def _as_outputs(h2d, weight, bias, dx, dw, db) -> tuple[Tensor, Tensor, Tensor]:
             db.to(bias.dtype) if db is not None else h2d.new_empty(0))
 
 
+def grads_in_forward(reduction: str, dtype: torch.dtype) -> bool:
+    """Whether the forward pass computes the gradients (for a unit incoming gradient). Not for
+    ``reduction="none"`` (the per-token incoming gradient weights ``dW``'s sum), nor for fp16: a
+    mean's unit-scale logits gradients (``p / tokens``) fall below fp16's normal range, and a loss
+    scale (GradScaler) applied later would rescale what fp16 already rounded away; the deferred
+    backward computes them with the incoming gradient folded in, rounding once."""
+    return reduction != "none" and dtype != torch.float16
+
+
 @custom_op("fused_linear_cross_entropy_forward")
 def fused_linear_cross_entropy_forward(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ce_weight: Tensor | None,
@@ -215,12 +230,12 @@ def fused_linear_cross_entropy_forward(
     grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, z_loss, lse, dhidden, dweight, dbias, token_accuracy, predicted)`` for the 2-D
-    ``hidden``: the fp32 losses reduced, the fp32 per-token log-sum-exp and, unless
-    ``reduction="none"``, the gradients asked for (``grad_*``) for a unit incoming gradient (empty
-    tensors otherwise); with ``predictions`` the argmax per token (int64, -1 where ignored) and the
+    ``hidden``: the fp32 losses reduced, the fp32 per-token log-sum-exp and, where
+    :func:`grads_in_forward`, the gradients asked for (``grad_*``) for a unit incoming gradient
+    (empty tensors otherwise); with ``predictions`` the argmax per token (int64, -1 where ignored) and the
     token accuracy reduced like the loss. ``chunk_tokens`` 0: planned from the free memory."""
     tokens = hidden.shape[0]
-    in_forward = reduction != "none"
+    in_forward = grads_in_forward(reduction, hidden.dtype)
     needs = (grad_hidden and in_forward, grad_weight and in_forward, grad_bias and in_forward)
     write_grad = any(needs)
     dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32) if write_grad else (None,) * 3
@@ -257,8 +272,8 @@ def _fake_gradients(hidden, weight, bias, needs):
 def _(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
       token_scaling, reduction, accum_fp32, chunk_tokens, predictions, grad_hidden, grad_weight, grad_bias):
     tokens = hidden.shape[0]
-    in_forward = reduction != "none"
-    loss_shape = () if in_forward else (tokens,)
+    in_forward = grads_in_forward(reduction, hidden.dtype)
+    loss_shape = () if reduction != "none" else (tokens,)
     shapes = (loss_shape, loss_shape, (tokens,))
     losses = tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in shapes)
     needs = (grad_hidden and in_forward, grad_weight and in_forward, grad_bias and in_forward)
@@ -270,27 +285,33 @@ def _(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, ls
 def fused_linear_cross_entropy_backward(
     grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, lse: Tensor,
     ce_weight: Tensor | None, ignore_index: int, label_smoothing: float, lse_square_scale: float,
-    softcap: float, token_scaling: bool, accum_fp32: bool, chunk_tokens: int, grad_hidden: bool,
-    grad_weight: bool, grad_bias: bool,
+    softcap: float, token_scaling: bool, reduction: str, accum_fp32: bool, chunk_tokens: int,
+    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``reduction="none"``: recompute each chunk's logits and write their gradient scaled by the
-    per-token incoming gradient; ``(dhidden, dweight, dbias)``, empty where not asked for."""
+    """The deferred backward (where not :func:`grads_in_forward`): recompute each chunk's logits and
+    write their gradient scaled by the incoming gradient (per token for ``reduction="none"``; for a
+    scalar loss, times the reduction's factor, on the device); ``(dhidden, dweight, dbias)``, empty
+    where not asked for."""
     needs = (grad_hidden, grad_weight, grad_bias)
     dx, dw, db = _grad_buffers(hidden, weight, bias, needs, accum_fp32)
     if hidden.shape[0]:
-        weight_total = (target_stats(target, ignore_index, ce_weight, "none")[WEIGHT_TOTAL]
-                        if ce_weight is not None else None)
-        options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight, weight_total,
-                           token_scaling)
+        if reduction == "none":
+            scale = z_scale = grad_loss.reshape(-1).to(torch.float32)
+            stats = target_stats(target, ignore_index, ce_weight, "none") if ce_weight is not None else None
+        else:
+            stats = target_stats(target, ignore_index, ce_weight, reduction, grad_loss.to(torch.float32))
+            scale, z_scale = stats[SCALE], stats[Z_SCALE]
+        options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, ce_weight,
+                           stats[WEIGHT_TOTAL] if ce_weight is not None else None, token_scaling)
         chunks = _plan_for(hidden, weight.shape[0], dw, chunk_tokens)
         _chunk_loop(hidden, weight, bias, target, chunks, options, compute_lse=False, lse=lse,
-                    write_grad=True, scale=grad_loss.reshape(-1).to(torch.float32), dx=dx, dw=dw, db=db)
+                    write_grad=True, scale=scale, z_scale=z_scale, dx=dx, dw=dw, db=db)
     return _as_outputs(hidden, weight, bias, dx, dw, db)
 
 
 @fused_linear_cross_entropy_backward.register_fake
 def _(grad_loss, hidden, weight, target, bias, lse, ce_weight, ignore_index, label_smoothing,
-      lse_square_scale, softcap, token_scaling, accum_fp32, chunk_tokens, grad_hidden, grad_weight,
+      lse_square_scale, softcap, token_scaling, reduction, accum_fp32, chunk_tokens, grad_hidden, grad_weight,
       grad_bias):
     return _fake_gradients(hidden, weight, bias, (grad_hidden, grad_weight, grad_bias))
 
@@ -313,12 +334,12 @@ def _setup_context(ctx, inputs, output):
     ctx.needs = tuple(options[9:])
     loss, z_loss, lse, dx, dw, db, accuracy, predicted = output
     ctx.mark_non_differentiable(z_loss, lse, dx, dw, db, accuracy, predicted)
-    ctx.deferred = reduction == "none"
+    ctx.deferred = not grads_in_forward(reduction, hidden.dtype)
     # Eager: the forward-pass gradients are rescaled in place; traced: into new tensors.
     ctx.eager = not tracing(hidden, loss)
     if ctx.deferred:
-        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, accum_fp32,
-                       chunk_tokens)
+        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, reduction,
+                       accum_fp32, chunk_tokens)
         ctx.save_for_backward(hidden, weight, target, bias, lse, ce_weight)
     elif ctx.eager:
         needed = [t if need else None for t, need in zip((dx, dw, db), ctx.needs)]
