@@ -19,7 +19,7 @@ LAUNCHES = {
     "geglu": 2, "group_norm": 4, "grpo_loss": 2, "jsd": 1, "kl_div": 1, "layer_norm": 2, "llama4_rope": 2,
     "mhc": 8, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
     "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rope": 2, "softmax": 2,
-    "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 1, "vocab_parallel_cross_entropy": 5,
+    "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 2, "vocab_parallel_cross_entropy": 5,
 }
 
 
