@@ -309,3 +309,20 @@ def test_op_contract(device, reduction, temperature):
     fn = lambda x, y, labels: jsd(x, y, labels, 0.3, IGNORE, temperature, reduction)  # noqa: E731
     expect = {"jsd_forward"} | ({"jsd_backward"} if reduction == "none" else set())
     assert_op_contract(fn, (x.requires_grad_(), y, labels), expect_ops=expect)
+
+
+def test_fp16_mean_under_a_loss_scale(device):
+    """fp16 under a GradScaler-style loss scale (2**15: fp16's loss holds it): the gradient carries
+    the scale from the start, so it is as close to the exact one as fp16 can hold. Computed at unit
+    scale in the forward pass (about 1 / (vocab x tokens) = 6e-11 here, below fp16's smallest
+    subnormal) and rescaled afterwards, it was all zeros."""
+    x, y, _ = make_inputs((512, 32768), torch.float16, device)
+    xk = leaf(x)
+    loss = jsd(xk, y, None, 0.5, IGNORE, 1.0, "mean", False)
+    ref, x64 = reference(x, y, None, 0.5, 1.0, "mean")
+    loss.backward(torch.tensor(32768.0, device=device, dtype=loss.dtype))
+    ref.backward(torch.tensor(32768.0, device=device, dtype=torch.float64))
+    exact = x64.grad
+    rounding = (exact.half().double() - exact).norm() / exact.norm()  # the best fp16 can do
+    error = (xk.grad.double() - exact).norm() / exact.norm()
+    assert error <= max(3 * rounding, 1e-6), f"{error:.2e} from the exact gradient, fp16 rounding {rounding:.2e}"

@@ -208,3 +208,19 @@ def test_op_contract(device, reduction, target_grad):
     backward_kernel = reduction == "none" or target_grad  # else the forward kernel writes dinput
     expect = {"kl_div_forward"} | ({"kl_div_backward"} if backward_kernel else set())
     assert_op_contract(fn, (x, t), expect_ops=expect)
+
+
+def test_fp16_batchmean_under_a_loss_scale(device):
+    """fp16 under a GradScaler-style loss scale (2**15): the gradient ``-target / tokens`` carries the
+    scale from the start. Computed at unit scale in the forward pass (mostly below fp16's smallest
+    subnormal at 512 tokens over a 32768 vocabulary) and rescaled afterwards, it was mostly zeros."""
+    x, t = make_inputs((512, 32768), torch.float16, device, log_target=False)
+    xk = leaf(x)
+    loss = kl_div(xk, t, "batchmean", False)
+    ref, x64, _ = reference(x, t, "batchmean", False)
+    loss.backward(torch.tensor(32768.0, device=device, dtype=loss.dtype))
+    ref.backward(torch.tensor(32768.0, device=device, dtype=torch.float64))
+    exact = x64.grad
+    rounding = (exact.half().double() - exact).norm() / exact.norm()  # the best fp16 can do
+    error = (xk.grad.double() - exact).norm() / exact.norm()
+    assert error <= max(3 * rounding, 1e-6), f"{error:.2e} from the exact gradient, fp16 rounding {rounding:.2e}"

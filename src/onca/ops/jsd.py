@@ -28,9 +28,13 @@ kernel normalises, the gradient is taken through that normalisation (w.r.t. the 
 
 The gradient is w.r.t. ``input`` only; the teacher is treated as a constant (``target`` gets no
 gradient, as in liger-kernel). For ``mean``/``sum`` it is computed by the forward kernel (the
-loss is last in the graph, so this saves reading both tensors again) and saved; the backward pass
-multiplies it by the incoming gradient on the device (no host read). For ``none`` the backward
-kernel recomputes it with each token's incoming gradient, from the saved ``input``/``target``.
+loss is last in the graph, so this saves reading both tensors again) and kept; the backward pass
+rescales it in place by the incoming gradient, read on the device, touching nothing when it is 1
+(``onca.ops.cross_entropy.ForwardGradients``; traced, into a new tensor). fp16 inputs skip that:
+a mean's unit-scale gradients fall below fp16's normal range before a loss scale (GradScaler)
+could lift them, so their backward kernel computes the gradient with the incoming gradient times
+the token scale folded in. For ``none`` the backward kernel recomputes it with each token's
+incoming gradient, from the saved ``input``/``target``.
 
 Rows are tiled over the vocabulary with the plan's width. Without normalisation every element is
 independent: one pass. With it, a row that does not fit one tile takes three passes: the two
@@ -49,7 +53,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
-from onca.ops._contract import custom_op, register_autograd
+from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import (
@@ -60,6 +64,7 @@ from onca.ops._validate import (
     check_same_device,
     check_tensor,
 )
+from onca.ops.cross_entropy import ForwardGradients, scale_forward_gradient
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = [
@@ -353,15 +358,17 @@ def _(input, target, labels, beta, ignore_index, temperature, reduction, normali
 @custom_op("jsd_backward")
 def jsd_backward(grad: Tensor, input: Tensor, target: Tensor, labels: Tensor | None, beta: float,
                  ignore_index: int, temperature: float, normalize: bool) -> Tensor:
-    """``dinput`` for the per-row incoming gradient ``grad`` (``(rows,)``, reduction ``none``)."""
+    """``dinput`` for the per-row incoming gradient ``grad`` (``(rows,)``, reduction ``none``), or for
+    a 0-d one that already holds the reduction's token scale (a scalar loss whose gradient was not
+    computed in the forward pass)."""
     rows, cols = input.shape
     dx = torch.empty((rows, cols), dtype=input.dtype, device=input.device)
     if input.numel() == 0:
         return dx
-    g = grad.to(torch.float32).contiguous()
+    g = grad.to(torch.float32).reshape(-1).contiguous()
     row_loss = torch.empty(rows, dtype=torch.float32, device=input.device)
     jsd_rows(input, target, labels, g, dx, row_loss, beta, ignore_index, temperature, normalize,
-             g_per_row=True)
+             g_per_row=grad.dim() == 1)
     return dx
 
 
@@ -374,23 +381,37 @@ def _(grad, input, target, labels, beta, ignore_index, temperature, normalize):
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves ``dinput`` when the forward op wrote it, else the 2-D inputs and the labels."""
+    """Keeps ``dinput`` when the forward op wrote it (eager: handed over by ``ForwardGradients``;
+    traced: saved), else saves the 2-D inputs and the labels."""
     input, target, labels, beta, ignore_index, temperature, reduction, normalize, precompute_grad = inputs
-    _loss, dx = output
+    loss, dx = output
     ctx.mark_non_differentiable(dx)
     ctx.precomputed = precompute_grad and reduction != "none"
+    ctx.reduction = reduction
     ctx.args = (beta, ignore_index, temperature, normalize)
-    ctx.save_for_backward(*((dx,) if ctx.precomputed else (input, target, labels)))
+    ctx.eager = not tracing(input, loss)
+    if not ctx.precomputed:
+        ctx.save_for_backward(input, target, labels)
+    elif ctx.eager:
+        ctx.grads = ForwardGradients([dx])
+    else:
+        ctx.save_for_backward(dx)
 
 
 def _backward(ctx, grad, _grad_dx):
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None, None, None, None
     if ctx.precomputed:
-        (dx,) = ctx.saved_tensors
-        dx = dx * grad.to(dx.dtype)
+        if ctx.eager:
+            (dx,) = ctx.grads.take(grad)
+        else:
+            dx = scale_forward_gradient(ctx.saved_tensors[0], grad, None, False)
     else:
         input, target, labels = ctx.saved_tensors
+        if ctx.reduction != "none":  # a scalar loss (fp16): the incoming gradient times the token scale
+            rows = input.shape[0]
+            grad = grad.to(torch.float32).reshape(()) * token_scale(labels, rows, ctx.args[1], ctx.reduction,
+                                                                      input.device).reshape(())
         dx = jsd_backward(grad, input, target, labels, *ctx.args)
     return dx, None, None, None, None, None, None, None, None
 
@@ -473,8 +494,11 @@ def jsd(
     be passed. Gradient w.r.t. ``input`` only. See the module docstring (empty inputs included)."""
     labels1d = _validate(input, target, labels, beta, ignore_index, temperature, reduction, from_logits)
     normalize = from_logits or temperature != 1.0
-    # A scalar loss is last in the graph: its gradient is written by the forward kernel.
-    precompute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
+    # A scalar loss is last in the graph: its gradient is written by the forward kernel, except in
+    # fp16, whose unit-scale gradients of a mean fall below its normal range before a loss scale
+    # (GradScaler) could lift them; there the backward computes them with the scale folded in.
+    precompute_grad = (reduction != "none" and torch.is_grad_enabled() and input.requires_grad
+                       and input.dtype != torch.float16)
     loss, _ = jsd_forward(as_rows(input), as_rows(target), labels1d, float(beta), ignore_index,
                           float(temperature), reduction, normalize, precompute_grad)
     return loss.view(input.shape[:-1]) if reduction == "none" else loss

@@ -17,9 +17,12 @@ Gradients:
 - w.r.t. ``input``: ``-target`` (or ``-exp(target)``) times the reduction's scale and the
   incoming gradient. For the scalar reductions it is written by the forward kernel itself (one
   read of each tensor and one write of ``dinput``, instead of a second read of ``target`` in the
-  backward pass); nothing else is saved, and the backward pass multiplies it by the incoming
-  gradient on the device (no host read of its value). For ``none`` the backward kernel computes
-  it from ``target`` and the elementwise incoming gradient.
+  backward pass); nothing else is kept, and the backward pass rescales it in place by the
+  incoming gradient, read on the device, touching nothing when it is 1
+  (``onca.ops.cross_entropy.ForwardGradients``; traced, into a new tensor). fp16 inputs skip that
+  (a mean's unit-scale gradients fall below fp16's normal range before a loss scale could lift
+  them): their backward kernel computes the gradient with the incoming gradient folded in. For
+  ``none`` the backward kernel computes it from ``target`` and the elementwise incoming gradient.
 - w.r.t. ``target`` (cheap, so supported): ``(log(target) + 1 - input)`` or
   ``exp(target) * (target - input + 1)``, times the same factors, computed in the backward pass
   when ``target`` requires a gradient (then ``input`` and ``target`` are saved). Where a
@@ -41,10 +44,11 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._contract import custom_op, register_autograd
+from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
+from onca.ops.cross_entropy import ForwardGradients, scale_forward_gradient
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["kl_div", "REDUCTIONS", "plan"]
@@ -244,19 +248,29 @@ def _(grad, input, target, scale, log_target, want_input_grad, want_target_grad)
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves ``dinput`` when the forward op wrote it, else the 2-D ``input`` and ``target``."""
+    """Keeps ``dinput`` when the forward op wrote it (eager: handed over by ``ForwardGradients``;
+    traced: saved), else saves the 2-D ``input`` and ``target``."""
     input, target, reduction, log_target, scale, precompute_grad = inputs
-    _loss, dx = output
+    loss, dx = output
     ctx.mark_non_differentiable(dx)
     ctx.precomputed = _precomputes(reduction, precompute_grad)
     ctx.reduction, ctx.log_target, ctx.scale = reduction, log_target, scale
-    ctx.save_for_backward(*((dx,) if ctx.precomputed else (input, target)))
+    ctx.eager = not tracing(input, loss)
+    if not ctx.precomputed:
+        ctx.save_for_backward(input, target)
+    elif ctx.eager:
+        ctx.grads = ForwardGradients([dx])
+    else:
+        ctx.save_for_backward(dx)
 
 
 def _backward(ctx, grad, _grad_dx):
     if ctx.precomputed:  # only dinput is wanted (the public function's choice)
-        (dx,) = ctx.saved_tensors
-        return dx * grad.to(dx.dtype), None, None, None, None, None
+        if ctx.eager:
+            (dx,) = ctx.grads.take(grad)
+        else:
+            dx = scale_forward_gradient(ctx.saved_tensors[0], grad, None, False)
+        return dx, None, None, None, None, None
     input, target = ctx.saved_tensors
     want_dx, want_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     g = as_rows(grad) if ctx.reduction == "none" else grad.reshape(1)
@@ -303,8 +317,10 @@ def kl_div(input: Tensor, target: Tensor, reduction: str = "mean", log_target: b
     _validate(input, target, reduction, log_target)
     scale = _reduction_scale(input.shape, input.numel(), reduction)
     # A scalar loss is last in the graph: its input gradient is written by the forward kernel
-    # (one pass over both tensors) unless the target wants a gradient too.
+    # (one pass over both tensors) unless the target wants a gradient too, or in fp16, whose
+    # unit-scale gradients of a mean fall below its normal range before a loss scale (GradScaler)
+    # could lift them; the backward kernel then computes them with the scale folded in.
     precompute_grad = (reduction != "none" and torch.is_grad_enabled() and input.requires_grad
-                       and not target.requires_grad)
+                       and not target.requires_grad and input.dtype != torch.float16)
     loss, _ = kl_div_forward(as_rows(input), as_rows(target), reduction, log_target, scale, precompute_grad)
     return loss.view(input.shape) if reduction == "none" else loss
