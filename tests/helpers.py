@@ -61,6 +61,15 @@ def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).to(torch.float64)
 
 
+def assert_within_rounding(actual: torch.Tensor, exact: torch.Tensor, name: str, factor: float = 3.0) -> None:
+    """``actual`` (low precision) is, by relative norm, at most ``factor`` times as far from the
+    float64 ``exact`` as ``exact`` rounded to ``actual``'s dtype is: the best that dtype can hold,
+    subnormals included (where a fixed tolerance would pass zeros or fail honest roundings)."""
+    rounding = float((exact.to(actual.dtype).double() - exact).norm() / exact.norm())
+    error = float((actual.double() - exact).norm() / exact.norm())
+    assert error <= max(factor * rounding, 1e-6), f"{name}: {error:.2e} from the exact value, rounding {rounding:.2e}"
+
+
 def randn(*shape, dtype=torch.float32, device="cpu", requires_grad=False, std=1.0) -> torch.Tensor:
     t = torch.randn(*shape, dtype=torch.float32, device=device) * std
     return t.to(dtype).requires_grad_(requires_grad)

@@ -82,7 +82,8 @@ from onca.tiling import RowPlan, plan_rows
 __all__ = ["cross_entropy", "CrossEntropyOutput", "REDUCTIONS", "plan", "cross_entropy_rows",
            "validate_options", "check_target", "check_class_weight", "target_stats", "reduce_losses",
            "N_VALID", "WEIGHT_TOTAL", "TARGET_WEIGHT_SUM", "SCALE", "Z_SCALE", "fake_predictions",
-           "loss_outputs", "scale_forward_gradient", "ForwardGradients"]
+           "loss_outputs", "scale_forward_gradient", "ForwardGradients", "keep_forward_gradients",
+           "take_forward_gradients"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -771,6 +772,26 @@ class ForwardGradients:
         # Fresh views: autograd can make them a leaf's .grad without a copy (it copies a tensor
         # that something else still references), and they share the version counters checked above.
         return tuple(t.view(t.shape) if t is not None else None for t in self.tensors)
+
+
+def keep_forward_gradients(ctx, tensors, *traced_by) -> None:
+    """Keep gradients a forward op computed for a unit incoming gradient (None where not computed):
+    on the eager route in a :class:`ForwardGradients` (rescaled in place by the first backward),
+    traced (any of ``traced_by`` is being traced) as saved tensors. :func:`take_forward_gradients`
+    hands them to the backward."""
+    ctx.forward_gradients_eager = not tracing(*traced_by)
+    if ctx.forward_gradients_eager:
+        ctx.grads = ForwardGradients(tensors)
+    else:
+        ctx.save_for_backward(*tensors)
+
+
+def take_forward_gradients(ctx, grad_output: Tensor) -> tuple:
+    """The gradients :func:`keep_forward_gradients` kept, times the loss's incoming gradient."""
+    if ctx.forward_gradients_eager:
+        return ctx.grads.take(grad_output)
+    return tuple(scale_forward_gradient(t, grad_output, None, False) if t is not None else None
+                 for t in ctx.saved_tensors)
 
 
 def _setup_context(ctx, inputs, output):

@@ -53,7 +53,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
-from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import (
@@ -64,7 +64,7 @@ from onca.ops._validate import (
     check_same_device,
     check_tensor,
 )
-from onca.ops.cross_entropy import ForwardGradients, scale_forward_gradient
+from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = [
@@ -381,31 +381,25 @@ def _(grad, input, target, labels, beta, ignore_index, temperature, normalize):
 
 
 def _setup_context(ctx, inputs, output):
-    """Keeps ``dinput`` when the forward op wrote it (eager: handed over by ``ForwardGradients``;
-    traced: saved), else saves the 2-D inputs and the labels."""
+    """Keeps ``dinput`` when the forward op wrote it (``keep_forward_gradients``), else saves the
+    2-D inputs and the labels."""
     input, target, labels, beta, ignore_index, temperature, reduction, normalize, precompute_grad = inputs
     loss, dx = output
     ctx.mark_non_differentiable(dx)
     ctx.precomputed = precompute_grad and reduction != "none"
     ctx.reduction = reduction
     ctx.args = (beta, ignore_index, temperature, normalize)
-    ctx.eager = not tracing(input, loss)
-    if not ctx.precomputed:
-        ctx.save_for_backward(input, target, labels)
-    elif ctx.eager:
-        ctx.grads = ForwardGradients([dx])
+    if ctx.precomputed:
+        keep_forward_gradients(ctx, [dx], input, loss)
     else:
-        ctx.save_for_backward(dx)
+        ctx.save_for_backward(input, target, labels)
 
 
 def _backward(ctx, grad, _grad_dx):
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None, None, None, None
     if ctx.precomputed:
-        if ctx.eager:
-            (dx,) = ctx.grads.take(grad)
-        else:
-            dx = scale_forward_gradient(ctx.saved_tensors[0], grad, None, False)
+        (dx,) = take_forward_gradients(ctx, grad)
     else:
         input, target, labels = ctx.saved_tensors
         if ctx.reduction != "none":  # a scalar loss (fp16): the incoming gradient times the token scale

@@ -44,11 +44,11 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
-from onca.ops.cross_entropy import ForwardGradients, scale_forward_gradient
+from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["kl_div", "REDUCTIONS", "plan"]
@@ -248,28 +248,22 @@ def _(grad, input, target, scale, log_target, want_input_grad, want_target_grad)
 
 
 def _setup_context(ctx, inputs, output):
-    """Keeps ``dinput`` when the forward op wrote it (eager: handed over by ``ForwardGradients``;
-    traced: saved), else saves the 2-D ``input`` and ``target``."""
+    """Keeps ``dinput`` when the forward op wrote it (``keep_forward_gradients``), else saves the
+    2-D ``input`` and ``target``."""
     input, target, reduction, log_target, scale, precompute_grad = inputs
     loss, dx = output
     ctx.mark_non_differentiable(dx)
     ctx.precomputed = _precomputes(reduction, precompute_grad)
     ctx.reduction, ctx.log_target, ctx.scale = reduction, log_target, scale
-    ctx.eager = not tracing(input, loss)
-    if not ctx.precomputed:
-        ctx.save_for_backward(input, target)
-    elif ctx.eager:
-        ctx.grads = ForwardGradients([dx])
+    if ctx.precomputed:
+        keep_forward_gradients(ctx, [dx], input, loss)
     else:
-        ctx.save_for_backward(dx)
+        ctx.save_for_backward(input, target)
 
 
 def _backward(ctx, grad, _grad_dx):
     if ctx.precomputed:  # only dinput is wanted (the public function's choice)
-        if ctx.eager:
-            (dx,) = ctx.grads.take(grad)
-        else:
-            dx = scale_forward_gradient(ctx.saved_tensors[0], grad, None, False)
+        (dx,) = take_forward_gradients(ctx, grad)
         return dx, None, None, None, None, None
     input, target = ctx.saved_tensors
     want_dx, want_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

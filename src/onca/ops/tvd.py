@@ -47,11 +47,11 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
-from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_float, check_same_device, check_tensor
-from onca.ops.cross_entropy import ForwardGradients, scale_forward_gradient
+from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.ops.jsd import check_ignore_index, check_labels, token_scale
 from onca.tiling import RowPlan, plan_rows
 
@@ -239,8 +239,8 @@ def _(grad, input, target, shift_labels, ignore_index, want_input_grad, want_tar
 
 
 def _setup_context(ctx, inputs, output):
-    """Keeps ``dinput`` when the forward op wrote it (eager: handed over by
-    ``ForwardGradients``; traced: saved), else saves the 2-D inputs and the labels."""
+    """Keeps ``dinput`` when the forward op wrote it (``keep_forward_gradients``), else saves the
+    2-D inputs and the labels."""
     input, target, shift_labels, reduction, ignore_index, precompute_grad = inputs
     loss, dp = output
     ctx.mark_non_differentiable(dp)
@@ -248,22 +248,16 @@ def _setup_context(ctx, inputs, output):
     ctx.reduction = reduction
     ctx.ignore_index = ignore_index
     ctx.target_dtype = target.dtype
-    ctx.eager = not tracing(input, loss)
-    if not ctx.precomputed:
-        ctx.save_for_backward(input, target, shift_labels)
-    elif ctx.eager:
-        ctx.grads = ForwardGradients([dp])
+    if ctx.precomputed:
+        keep_forward_gradients(ctx, [dp], input, loss)
     else:
-        ctx.save_for_backward(dp)
+        ctx.save_for_backward(input, target, shift_labels)
 
 
 def _backward(ctx, grad, _grad_dp):
     want_dp, want_dq = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.precomputed:
-        if ctx.eager:
-            (dp,) = ctx.grads.take(grad)
-        else:
-            dp = scale_forward_gradient(ctx.saved_tensors[0], grad, None, False)
+        (dp,) = take_forward_gradients(ctx, grad)
         dq = (-dp).to(ctx.target_dtype) if want_dq else None
         return dp if want_dp else None, dq, None, None, None, None
     input, target, shift_labels = ctx.saved_tensors
