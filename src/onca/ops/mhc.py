@@ -28,7 +28,7 @@ backward never recomputes them. The backward walks the Sinkhorn loop back in one
 the loop is kept: each program reruns it for its tokens into a scratch of its own, then reads the
 iterates back in reverse) that also reduces ``db`` and the ``alpha`` gradients per program; one more
 kernel computes ``dx = d_proj @ phi.T - coef * x`` and ``dphi``'s partial sums per token share
-(summed by the launcher in a fixed order, so the result is deterministic).
+(summed by ``onca.ops._partials.sum_partials`` in a fixed order: deterministic).
 As a torch composition the loop was about 640 small kernels per forward + backward. Coefficients
 are fp32, as in liger-kernel. The projections take fp32 operands (``phi``, ``d_proj``) without
 TF32's 10-bit mantissa loss: an fp32 operand is split into bf16 high and low parts and multiplied in
@@ -48,6 +48,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, get_profile, interpreter_active
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
+from onca.ops._partials import sum_partials
 from onca.ops._validate import check_float, check_number, check_same_device, check_tensor
 from onca.tiling import MatmulPlan, RowPlan, next_power_of_2, plan_matmul, plan_rows
 
@@ -692,6 +693,12 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return DOT_SPLIT_FP32.value if interpreter_active() else DOT_SPLIT.value
 
 
+def _item_grid(items: int, profile: DeviceProfile) -> int:
+    """Programs for ``items`` work items: one each, or at most one per compute unit where the
+    profile runs persistent programs (the kernels loop over their items)."""
+    return min(items, profile.compute_units) if profile.persistent else items
+
+
 def _project(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
     """The projection's column splits: ``(proj parts (S, N, M), squares parts (S, N))``, fp32."""
     n, hc, c = x.shape
@@ -703,7 +710,7 @@ def _project(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
     splits = triton.cdiv(k, split_cols)  # none empty
     items = triton.cdiv(n, p.block_m) * splits
     parts, squares = x.new_empty((splits, n, m), dtype=torch.float32), x.new_empty((splits, n), dtype=torch.float32)
-    _mhc_projection_kernel[(min(items, profile.compute_units) if profile.persistent else items,)](
+    _mhc_projection_kernel[(_item_grid(items, profile),)](
         x, phi, parts, squares, n, k, m, splits, split_cols, SPLIT_X=x.dtype != torch.bfloat16,
         DOT=_dot_mode(x.dtype), BLOCK_N=p.block_m, BLOCK_K=p.block_k, M_BLOCK=_m_block(hc),
         num_warps=p.num_warps, num_stages=p.num_stages)
@@ -722,11 +729,11 @@ def _project_backward(x: Tensor, phi: Tensor, d_proj: Tensor, rms_coef: Tensor) 
     items = col_tiles * shares
     dx = torch.empty_like(x)
     dphi = d_proj.new_empty((shares, k, m))
-    _mhc_projection_backward_kernel[(min(items, profile.compute_units) if profile.persistent else items,)](
+    _mhc_projection_backward_kernel[(_item_grid(items, profile),)](
         x, phi, d_proj, rms_coef, dx, dphi, n, k, m, shares, SPLIT_X=x.dtype != torch.bfloat16,
         DOT=_dot_mode(x.dtype), BLOCK_N=p.block_m, BLOCK_K=p.block_n, M_BLOCK=_m_block(hc),
         num_warps=p.num_warps, num_stages=p.num_stages)
-    return dx, dphi.sum(0)
+    return dx, sum_partials(dphi.view(shares, k * m)).view(k, m)
 
 
 def _coeff_launch(kernel, n: int, hc: int, *args, **constexprs) -> None:
