@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onca.ops._chunked_head import chunk_plan, chunked_logprobs, plan
+from onca.ops import _chunked_head
+from onca.ops._chunked_head import chunk_plan, chunked_logprobs, grad_tiles, plan
 from tests.contract import assert_op_contract
 from tests.helpers import assert_close, leaf, non_contiguous, randn
 from tests.ops.posttrain_reference import BASE, CHUNK, SHAPES, make_inputs, reference_logps
@@ -103,6 +104,50 @@ def test_bad_input(device):
 def test_plan():
     p = plan((100, 16, 1000), torch.bfloat16)
     assert p["chunks"].tokens == 100 and p["logprob"].cols == 1000
+    assert p["backward_chunks"].tokens == 100
+
+
+def test_grad_tiles_reshape_the_forward_scratch():
+    """The backward's tiles: GRAD_TILE_TOKENS tokens tall (the weight-gradient GEMM's depth), the
+    vocabulary split evenly into multiples of 128 that hold the forward's scratch (within one
+    multiple); whole-vocabulary chunks where the forward's chunk is already that tall, or where
+    chunk_tokens is given."""
+    tokens, vocab = 16384, 128256  # a GRPO batch on a Llama-3 head, bf16, bf16 accumulator
+    forward = chunk_plan(tokens, 4096, vocab, torch.bfloat16, accum_fp32=False, device="cpu")
+    if forward.chunk != 512:
+        pytest.skip("this host's free memory caps the default forward chunk")
+    chunks, width = grad_tiles(tokens, 4096, vocab, torch.bfloat16, accum_fp32=False, device="cpu")
+    # 512 x 128256 reshaped to 4096 tokens: eight tiles of 16032 columns, 16128 as multiples of 128
+    assert (chunks.chunk, chunks.n_chunks, width) == (4096, 4, 16128)
+    assert chunks.chunk * width <= forward.chunk * vocab + chunks.chunk * 128
+    assert grad_tiles(1000, 64, vocab, torch.bfloat16, device="cpu")[1] == vocab  # one chunk is all tokens
+    assert grad_tiles(tokens, 64, vocab, torch.bfloat16, chunk_tokens=256, device="cpu") == (
+        chunk_plan(tokens, 64, vocab, torch.bfloat16, chunk_tokens=256), vocab)
+
+
+@pytest.fixture
+def vocab_tiles(monkeypatch):
+    """Forward chunks of 8 tokens and backward tiles 24 tokens tall: a few hundred columns take
+    several vocabulary tiles (the widths asserted, so the tiled path really runs)."""
+    from onca.ops import fused_linear_cross_entropy
+
+    monkeypatch.setattr(fused_linear_cross_entropy, "CHUNK_TOKENS", 8)
+    monkeypatch.setattr(_chunked_head, "GRAD_TILE_TOKENS", 24)
+    monkeypatch.setattr(_chunked_head, "VOCAB_TILE_MULTIPLE", 16)
+    widths = []
+    tiles = _chunked_head.grad_tiles
+    monkeypatch.setattr(_chunked_head, "grad_tiles",
+                        lambda *a, **k: (lambda r: widths.append(r[1]) or r)(tiles(*a, **k)))
+    return widths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_over_vocabulary_tiles(profile, device, dtype, vocab_tiles):
+    """Targets in every tile, an ignored sequence, a bias, the entropy's gradient: the tiled
+    backward (dx summed over the tiles in fp32) matches the float64 reference."""
+    h, w, b, labels = make_inputs((4, 9, 16, 203), dtype, device, bias=True, empty_row=1)
+    check(h, w, b, labels, temperature=0.7, chunk_tokens=None)
+    assert vocab_tiles and all(width < 203 for width in vocab_tiles)
 
 
 def test_op_contract(device):

@@ -12,6 +12,7 @@ from onca.ops.fused_linear_logprobs import OPTIONAL_OUTPUTS, fused_linear_logpro
 from tests.contract import assert_op_contract
 from tests.helpers import SCALE, assert_close, leaf, non_contiguous, randn, rounded
 from tests.ops.posttrain_reference import BASE, IGNORE, make_inputs
+from tests.ops.test_chunked_head import vocab_tiles  # noqa: F401 (a fixture)
 
 # (sequences, tokens, hidden, vocab): awkward vocabularies; real widths on the GPU.
 SHAPES = {
@@ -122,6 +123,15 @@ def test_one_output_takes_the_gradient(device, grads):
     """Only the log-probs, or only the entropy, take a gradient (the other's is None, not zeros)."""
     h, w, _, labels = inputs(SHAPES[-1], torch.float32, device, bias=False)
     check(h, w, None, labels, outputs=("entropy", "is_top1"), grads=grads, chunk_tokens=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_over_vocabulary_tiles(profile, device, dtype, vocab_tiles):  # noqa: F811
+    """Soft-capping, a logit scale and a temperature, with the backward over several vocabulary
+    tiles (each tile's one-hot column and the entropy term taken at its offset)."""
+    h, w, b, labels = inputs((3, 7, 16, 203), dtype, device, empty_row=1)
+    check(h, w, b, labels, HEADS["capped"], chunk_tokens=None)
+    assert vocab_tiles and all(width < 203 for width in vocab_tiles)
 
 
 def test_fp16_no_outputs(device):

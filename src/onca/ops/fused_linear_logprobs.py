@@ -17,8 +17,10 @@ It is the same pair of custom ops as every post-training loss of Onca
 (``onca::chunked_logprob_forward`` / ``onca::chunked_logprob_backward``, in
 ``onca/ops/_chunked_head.py``): the forward runs token chunks of the whole vocabulary (one head
 matmul into a reused scratch, then one statistics kernel; one fp32 ``lse`` and entropy per token
-kept), the backward recomputes each chunk's logits, writes their gradient over them with one
-kernel and runs the gradient matmuls (``dweight``/``dbias`` accumulated in fp32). An output
+kept), the backward recomputes the logits in tiles of up to 4096 tokens by a share of the
+vocabulary (the same scratch), writes their gradient over them with one kernel and runs the
+gradient matmuls (``dweight``/``dbias`` accumulated in fp32, ``dhidden`` in fp32 over the
+vocabulary's tiles). An output
 whose gradient is None (the entropy, when only logged) costs nothing in backward.
 
 ``onca.integrations.trl.enable()`` makes TRL's trainers (SFT, DPO, GRPO, KTO, RLOO: every one that
@@ -38,6 +40,7 @@ from onca.ops._chunked_head import (
     check_options,
     chunk_plan,
     chunked_logprob_forward,
+    grad_tiles,
     head_inputs,
     validate_head,
 )
@@ -70,10 +73,10 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
         raise ValueError(f"fused_linear_logprobs plans take shape (tokens, hidden, vocab), got {shape}")
     tokens, hidden, vocab = shape
     forward = chunk_plan(tokens, hidden, vocab, dtype, accum_fp32=False, device=accelerator())
-    backward = chunk_plan(tokens, hidden, vocab, dtype, device=accelerator())
+    backward, width = grad_tiles(tokens, hidden, vocab, dtype, device=accelerator())
     return {"chunks": forward, "backward_chunks": backward,
             "logprob": plan_rows(forward.chunk, vocab, dtype, profile=profile, **WIDE_TILES),
-            "logprob_grad": plan_rows(backward.chunk, vocab, dtype, profile=profile, **WIDE_TILES)}
+            "logprob_grad": plan_rows(backward.chunk, width, dtype, profile=profile, **WIDE_TILES)}
 
 
 def _check_outputs(outputs) -> tuple[str, ...]:
