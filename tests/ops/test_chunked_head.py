@@ -162,12 +162,14 @@ def test_op_contract(device):
 
 
 def _accumulator_dtypes(monkeypatch) -> list:
-    """The dtype of the weight-gradient accumulator each chunk adds into (spied on the driver)."""
-    from onca.ops import _chunked_head
+    """The dtype of the weight-gradient accumulator each chunk adds into (spied on both drivers:
+    the chunked head's and the pair-aligned one)."""
+    from onca.ops import _chunked_head, _paired_head
 
     seen = []
     add = _chunked_head.accumulate_dw
-    monkeypatch.setattr(_chunked_head, "accumulate_dw", lambda dw, g, h: seen.append(dw.dtype) or add(dw, g, h))
+    for module in (_chunked_head, _paired_head):
+        monkeypatch.setattr(module, "accumulate_dw", lambda dw, g, h: seen.append(dw.dtype) or add(dw, g, h))
     return seen
 
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onca.ops.fused_linear_dpo import LOSS_TYPES, fused_linear_dpo
-from tests.helpers import randn
+from onca.ops import _paired_head
+from onca.ops.fused_linear_dpo import LOSS_TYPES, dpo_loss_grads, dpo_losses, fused_linear_dpo
+from tests.contract import assert_op_contract
+from tests.helpers import leaf, randn
 from tests.ops.posttrain_reference import (
     BASE,
     CHUNK,
@@ -78,9 +80,60 @@ def run(dtype, device, loss_type="sigmoid", beta=0.1, ls=0.0, nll_weight=0.0, bi
     return check_against(fn, reference, h, w, b, labels, name=loss_type)
 
 
+@pytest.fixture
+def paired_calls(monkeypatch):
+    """One pair per chunk on the pair-aligned path (several chunks at CI's shapes); the list of the
+    pairs each call of the DPO pair loss saw (empty: that path never ran)."""
+    monkeypatch.setattr(_paired_head, "GRAD_TILE_TOKENS", 1)
+    calls = []
+    fn = _paired_head.PAIR_LOSSES["dpo"]
+    monkeypatch.setitem(_paired_head.PAIR_LOSSES, "dpo",
+                        lambda sums_c, *rest: calls.append(sums_c.shape[0]) or fn(sums_c, *rest))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sigmoid(profile, device, dtype):
     run(dtype, device, bias=True, nll_weight=0.5, empty_row=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sigmoid_on_pair_chunks(profile, device, dtype, paired_calls):
+    """The gradient computed in the forward pass, one pair per chunk (an ignored sequence, a bias,
+    the NLL term), against the same reference."""
+    run(dtype, device, bias=True, nll_weight=0.5, empty_row=2, chunk_tokens=None)
+    assert paired_calls == [1, 1]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_closed_form_pair_gradients(loss_type):
+    """The pair-aligned path's derivatives of each loss type against autograd of the loss itself,
+    at margins on both sides of every kink (hinge's at 1)."""
+    ls = {"robust": 0.1, "exo_pair": 0.2}.get(loss_type, 0.0)
+    clr = torch.tensor([-30.0, -3.0, -0.4, 0.0, 0.7, 2.5, 40.0], dtype=torch.float64, requires_grad=True)
+    rlr = torch.tensor([5.0, -1.0, 0.9, -0.3, -6.0, 0.1, -2.0], dtype=torch.float64, requires_grad=True)
+    nc = torch.tensor([1.0, 4, 9, 2, 7, 3, 5], dtype=torch.float64)
+    nr = torch.tensor([3.0, 1, 2, 8, 5, 6, 1], dtype=torch.float64)
+    losses = dpo_losses(loss_type, 0.5, ls, clr, rlr, nc, nr)
+    want_c, want_r = torch.autograd.grad(losses.sum(), (clr, rlr))
+    got, got_c, got_r = dpo_loss_grads(loss_type, 0.5, ls, clr.detach(), rlr.detach(), nc, nr)
+    torch.testing.assert_close(got, losses.detach())
+    torch.testing.assert_close(got_c, want_c)
+    torch.testing.assert_close(got_r, want_r)
+
+
+def test_pair_chunks_only_where_they_pay(monkeypatch, device, paired_calls):
+    """fp16, no gradient, a chunk_tokens override, or a pair too large for the free memory: the
+    two-pass driver."""
+    h, w, _, labels = make_inputs(BASE, torch.float32, device)
+    rh, rw = h + 0.1, w.clone()
+    fused_linear_dpo(leaf(h.half()), leaf(w.half()), labels, rh.half(), rw.half())
+    fused_linear_dpo(h, w, labels, rh, rw)
+    fused_linear_dpo(leaf(h), leaf(w), labels, rh, rw, chunk_tokens=64)
+    monkeypatch.setattr(_paired_head, "MAX_PAIR_SCRATCH_BYTES", 1000)
+    fused_linear_dpo(leaf(h), leaf(w), labels, rh, rw)
+    assert paired_calls == []
+    monkeypatch.undo()
 
 
 @pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "sigmoid"])
@@ -94,10 +147,11 @@ def test_precomputed_reference_one_pair(device):
     run(torch.bfloat16, device, shape=(2, 6, 16, 311), precomputed=True, chunk_tokens=None)
 
 
-def test_aux(device):
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "pair_chunks"])
+def test_aux(device, grad):
     h, w, _, labels = make_inputs(BASE, torch.float32, device)
     rh, rw = h + 0.1 * torch.randn_like(h), w.clone()
-    _, aux = fused_linear_dpo(h, w, labels, rh, rw, beta=0.2, return_aux=True)
+    _, aux = fused_linear_dpo(leaf(h) if grad else h, w, labels, rh, rw, beta=0.2, return_aux=True)
     pi = logps64(h.double(), w.double(), None, labels, torch.float32).sum(-1)
     ref = logps64(rh.double(), rw.double(), None, labels, torch.float32).sum(-1)
     n = h.shape[0] // 2
@@ -142,3 +196,15 @@ def test_op_contract(device):
         return fused_linear_dpo(h, w, labels, rh, rw, bias=b, nll_weight=0.3, chunk_tokens=4)
 
     assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), labels, rh, rw))
+
+
+def test_op_contract_on_pair_chunks(device, paired_calls):
+    h, w, b, labels = make_inputs((4, 5, 8, 24), torch.float32, device, bias=True, prompt=1)
+    rh, rw = randn(4, 5, 6, device=device), randn(24, 6, device=device)
+
+    def fn(h, w, b, labels, rh, rw):
+        return fused_linear_dpo(h, w, labels, rh, rw, bias=b, nll_weight=0.3, loss_type="ipo")
+
+    assert_op_contract(fn, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), labels, rh, rw),
+                       expect_ops={"paired_loss_forward", "chunked_logprob_forward"})
+    assert paired_calls

@@ -16,6 +16,7 @@ from onca.ops._validate import check_accum_dtype, check_bool, check_float, check
 
 __all__ = [
     "SequenceLogps",
+    "SequenceSums",
     "check_beta",
     "check_choice",
     "check_paired",
@@ -27,17 +28,25 @@ __all__ = [
 ]
 
 
-class SequenceLogps:
-    """Per-token log-probabilities of ``(sequences, T)`` labels and their per-sequence sums, token
+class SequenceSums:
+    """Per-sequence log-probability sums of ``(sequences, T)`` labels, with the sequences' token
     counts and means (the mean is 0 for a sequence with every token ignored)."""
 
-    def __init__(self, per_token: Tensor, labels: Tensor, ignore_index: int, entropy: Tensor | None = None):
-        self.per_token = per_token
-        self.entropy = entropy
+    def __init__(self, sums: Tensor, labels: Tensor, ignore_index: int):
         self.mask = labels != ignore_index
-        self.sums = per_token.sum(-1)
+        self.sums = sums
         self.counts = self.mask.sum(-1).to(torch.float32)
         self.means = self.sums / self.counts.clamp(min=1.0)
+
+
+class SequenceLogps(SequenceSums):
+    """Per-token log-probabilities of ``(sequences, T)`` labels (and entropies) and their
+    per-sequence sums, token counts and means."""
+
+    def __init__(self, per_token: Tensor, labels: Tensor, ignore_index: int, entropy: Tensor | None = None):
+        super().__init__(per_token.sum(-1), labels, ignore_index)
+        self.per_token = per_token
+        self.entropy = entropy
 
 
 def check_paired(hidden: Tensor, labels: Tensor, name: str = "hidden") -> int:

@@ -5,9 +5,13 @@ Layout (TRL's concatenated batch): ``hidden (2B, T, H)`` holds the B chosen sequ
 B rejected ones after; ``labels (2B, T)`` is aligned with it (position ``t`` is scored against
 ``labels[:, t]``: shift before calling), ``ignore_index`` marks prompt and padding. A sequence's
 log-probability is the sum over its non-ignored tokens of ``log_softmax(hidden @ weight.T +
-bias)[label]``. The per-token log-probabilities come from the chunk driver
-(:mod:`onca.ops._chunked_head`: the logits exist one chunk of tokens at a time, the gradient is
-recomputed chunk by chunk in backward, ``dWeight`` accumulates in fp32); the reference model's come
+bias)[label]``. When a gradient is wanted (bf16 or fp32 inputs), the policy's head runs on chunks
+of whole chosen/rejected pairs with the gradient computed in the forward pass
+(:mod:`onca.ops._paired_head`: three head matmuls per chunk); otherwise (fp16, no gradient, a
+``chunk_tokens`` override, pairs too long for one scratch) its per-token log-probabilities come from
+the chunk driver (:mod:`onca.ops._chunked_head`: the logits exist one chunk of tokens at a time and
+are recomputed in backward). ``dWeight`` accumulates in the weight's dtype (``accum_dtype``). The
+reference model's come
 from ``ref_hidden``/``ref_weight`` under ``torch.no_grad`` (one head matmul per chunk), or are
 passed in precomputed (``ref_chosen_logps``/``ref_rejected_logps``). The loss is TRL 1.16's
 ``DPOTrainer`` formula for the loss type, on fp32 per-sequence tensors::
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import plan
+from onca.ops._paired_head import paired_loss, register_pair_loss, use_paired_chunks
 from onca.ops._posttrain import (
     check_beta,
     check_choice,
@@ -46,13 +51,14 @@ from onca.ops._posttrain import (
     check_paired,
     check_per_sequence,
     chosen_nll,
+    SequenceSums,
     policy_logps,
     reference_logps,
     split_pairs,
 )
-from onca.ops._validate import check_number
+from onca.ops._validate import check_accum_dtype, check_number
 
-__all__ = ["LOSS_TYPES", "dpo_losses", "fused_linear_dpo", "plan"]
+__all__ = ["LOSS_TYPES", "dpo_loss_grads", "dpo_losses", "fused_linear_dpo", "plan"]
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
               "apo_down", "sigmoid_norm")
@@ -90,6 +96,58 @@ def dpo_losses(loss_type: str, beta: float, label_smoothing: float, chosen_lr: T
     if loss_type == "sigmoid_norm":
         return -F.logsigmoid(beta * (chosen_lr / chosen_n - rejected_lr / rejected_n))
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def dpo_loss_grads(loss_type: str, beta: float, label_smoothing: float, chosen_lr: Tensor, rejected_lr: Tensor,
+                   chosen_n: Tensor, rejected_n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(losses, dlosses/dchosen_lr, dlosses/drejected_lr)`` per pair, in closed form: the
+    pair-aligned path needs them inside a custom op, where autograd (and ``torch.func`` under a
+    dispatch mode) is not available. ``tests/ops/test_fused_linear_dpo.py`` holds them to autograd
+    of :func:`dpo_losses` for every loss type."""
+    losses = dpo_losses(loss_type, beta, label_smoothing, chosen_lr, rejected_lr, chosen_n, rejected_n)
+    sig = torch.sigmoid
+    d = beta * (chosen_lr - rejected_lr)
+    ls = label_smoothing
+    if loss_type in ("sigmoid", "hinge", "robust", "exo_pair"):
+        if loss_type == "sigmoid":
+            dd = -sig(-d)
+        elif loss_type == "hinge":
+            dd = -(d < 1).to(d.dtype)
+        elif loss_type == "robust":
+            dd = (-(1 - ls) * sig(-d) - ls * sig(d)) / (1 - 2 * ls)
+        else:
+            dd = sig(d) * sig(-d) * ((F.logsigmoid(d) - math.log1p(-ls)) - (F.logsigmoid(-d) - math.log(ls)))
+        return losses, beta * dd, -beta * dd
+    if loss_type == "ipo":
+        u = 2 * (chosen_lr / chosen_n - rejected_lr / rejected_n - 1 / (2 * beta))
+        return losses, u / chosen_n, -u / rejected_n
+    if loss_type == "sigmoid_norm":
+        de = -sig(-beta * (chosen_lr / chosen_n - rejected_lr / rejected_n))
+        return losses, beta * de / chosen_n, -beta * de / rejected_n
+    if loss_type == "sppo_hard":
+        return losses, 2 * (chosen_lr - 0.5 / beta), 2 * (rejected_lr + 0.5 / beta)
+    cr, rr = beta * chosen_lr, beta * rejected_lr
+    if loss_type == "nca_pair":
+        return losses, beta * (0.5 * sig(cr) - sig(-cr)), beta * 0.5 * sig(rr)
+    if loss_type == "bco_pair":
+        return losses, -beta * sig(-cr), beta * sig(rr)
+    if loss_type == "apo_zero":
+        return losses, -beta * sig(cr) * sig(-cr), beta * sig(rr) * sig(-rr)
+    if loss_type == "apo_down":
+        dd = beta * sig(d) * sig(-d)
+        return losses, beta * sig(cr) * sig(-cr) - dd, dd
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def _pair_loss(sums_c, sums_r, counts_c, counts_r, extras, loss_type, params):
+    """The per-pair DPO losses and their derivatives w.r.t. the sequences' sums, on the
+    pair-aligned path (:mod:`onca.ops._paired_head`)."""
+    ref_c, ref_r = extras.unbind(0)
+    beta, label_smoothing = params
+    return dpo_loss_grads(loss_type, beta, label_smoothing, sums_c - ref_c, sums_r - ref_r, counts_c, counts_r)
+
+
+register_pair_loss("dpo", _pair_loss)
 
 
 def _check_label_smoothing(loss_type, label_smoothing) -> None:
@@ -162,15 +220,23 @@ def fused_linear_dpo(
                               chunk_tokens=chunk_tokens)
         ref_c, ref_r = split_pairs(ref.sums)
 
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                         accum_dtype=accum_dtype)
+    if use_paired_chunks(hidden, weight, bias, chunk_tokens):
+        loss, sums = paired_loss(hidden, weight, bias, labels, [ref_c, ref_r], loss="dpo", loss_type=loss_type,
+                                 params=[beta, label_smoothing], nll_weight=nll_weight, ignore_index=ignore_index,
+                                 accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))
+        logps = SequenceSums(sums, labels, ignore_index)
+    else:
+        logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                             accum_dtype=accum_dtype)
+        loss = None
     pi_c, pi_r = split_pairs(logps.sums)
     n_c, n_r = (n.clamp(min=1.0) for n in split_pairs(logps.counts))
     chosen_lr, rejected_lr = pi_c - ref_c, pi_r - ref_r
-    loss = dpo_losses(loss_type, float(beta), float(label_smoothing), chosen_lr, rejected_lr, n_c, n_r).mean()
     nll = chosen_nll(logps) if (nll_weight or return_aux) else None
-    if nll_weight:
-        loss = loss + nll_weight * nll
+    if loss is None:
+        loss = dpo_losses(loss_type, float(beta), float(label_smoothing), chosen_lr, rejected_lr, n_c, n_r).mean()
+        if nll_weight:
+            loss = loss + nll_weight * nll
     if not return_aux:
         return loss
     chosen_rewards, rejected_rewards = beta * chosen_lr.detach(), beta * rejected_lr.detach()
