@@ -44,7 +44,9 @@ pass keeps one fp32 ``lse`` (and entropy) per token and nothing of the logits; t
 plain torch on ``(tokens,)`` and ``(sequences,)`` tensors (graph-friendly: no host syncs, any loss
 composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one extra head matmul
 per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype);
-the reference model's pass is forward only (1 matmul). ``dWeight`` accumulates over the chunks in
+the reference model's pass is forward only (1 matmul). DPO, whose loss is a sum over pairs, takes
+the other way where it pays (:mod:`onca.ops._paired_head`: chunks of whole pairs, the per-pair
+derivatives in closed form, 3 matmuls). ``dWeight`` accumulates over the chunks in
 the weight's dtype by default (liger-kernel's chunked losses do the same): an fp32 accumulator
 (``accum_dtype=torch.float32``, TRL's choice, the default of :func:`fused_linear_logprobs`) and its
 final cast hold three bytes per head element more at the backward's peak (3 GB for a bf16
