@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onca.ops.fused_linear_cpo import fused_linear_cpo
+from onca.ops.fused_linear_cpo import LOSS_TYPES, cpo_loss_grads, cpo_losses, fused_linear_cpo
 from tests.ops.posttrain_reference import (
     BASE,
     CHUNK,
@@ -50,10 +50,32 @@ def test_sigmoid(profile, device, dtype):
     run(dtype, device, "sigmoid", ls=0.1, bias=True, empty_row=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sigmoid_on_pair_chunks(profile, device, dtype, paired_calls):
+    """The gradient computed in the forward pass, one pair per chunk (an ignored sequence, a bias,
+    label smoothing, the NLL term), against the same reference."""
+    run(dtype, device, "sigmoid", ls=0.1, bias=True, empty_row=3, chunk_tokens=None)
+    assert paired_calls == [1, 1]
+
+
+@pytest.mark.parametrize("chunk_tokens", [CHUNK, None], ids=["two-pass", "pairs"])
 @pytest.mark.parametrize("loss_type", ["hinge", "ipo", "simpo"])
-def test_loss_types(device, loss_type):
+def test_loss_types(device, loss_type, chunk_tokens, paired_calls):
     run(torch.float32, device, loss_type, beta=0.5, nll_weight=0.0 if loss_type == "ipo" else 1.0,
-        shape=(2, 6, 8, 61), chunk_tokens=None)
+        shape=(2, 6, 8, 61), chunk_tokens=chunk_tokens)
+    assert paired_calls == ([] if chunk_tokens else [1])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_closed_form_pair_gradients(loss_type):
+    """The pair-aligned path's derivatives against autograd of the loss, on both sides of the
+    hinge's kink (beta x = 1 at x = 2) and SimPO's margin."""
+    x = torch.tensor([-30.0, -3.0, -0.4, 0.0, 0.7, 1.4, 2.0, 2.5, 40.0], dtype=torch.float64, requires_grad=True)
+    losses = cpo_losses(loss_type, 0.5, 0.7, 0.15, x)
+    (want,) = torch.autograd.grad(losses.sum(), x)
+    got, got_dx = cpo_loss_grads(loss_type, 0.5, 0.7, 0.15, x.detach())
+    torch.testing.assert_close(got, losses.detach())
+    torch.testing.assert_close(got_dx, want)
 
 
 def test_aux_and_bad_input(device):
@@ -73,3 +95,10 @@ def test_op_contract(device):
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
     fn = lambda h, w, labels: fused_linear_cpo(h, w, labels, loss_type="simpo", chunk_tokens=4)
     assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels))
+
+
+def test_op_contract_on_pair_chunks(device, paired_calls):
+    h, w, _, labels = make_inputs((4, 5, 8, 24), torch.float32, device, prompt=1)
+    fn = lambda h, w, labels: fused_linear_cpo(h, w, labels, loss_type="hinge")
+    assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels), expect_ops=("paired_loss_forward",))
+    assert paired_calls

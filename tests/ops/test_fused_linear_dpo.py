@@ -80,18 +80,6 @@ def run(dtype, device, loss_type="sigmoid", beta=0.1, ls=0.0, nll_weight=0.0, bi
     return check_against(fn, reference, h, w, b, labels, name=loss_type)
 
 
-@pytest.fixture
-def paired_calls(monkeypatch):
-    """One pair per chunk on the pair-aligned path (several chunks at CI's shapes); the list of the
-    pairs each call of the DPO pair loss saw (empty: that path never ran)."""
-    monkeypatch.setattr(_paired_head, "GRAD_TILE_TOKENS", 1)
-    calls = []
-    fn = _paired_head.PAIR_LOSSES["dpo"]
-    monkeypatch.setitem(_paired_head.PAIR_LOSSES, "dpo",
-                        lambda sums_c, *rest: calls.append(sums_c.shape[0]) or fn(sums_c, *rest))
-    return calls
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sigmoid(profile, device, dtype):
     run(dtype, device, bias=True, nll_weight=0.5, empty_row=2)

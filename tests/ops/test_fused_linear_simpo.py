@@ -28,14 +28,16 @@ def reference_simpo(pi, mask, beta, gamma, ls=0.0, nll_weight=0.0):
     return loss
 
 
+@pytest.mark.parametrize("chunk_tokens", [CHUNK, None], ids=["two-pass", "pairs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matches_reference(profile, device, dtype):
+def test_matches_reference(profile, device, dtype, chunk_tokens, paired_calls):
     h, w, b, labels = make_inputs(BASE, dtype, device, bias=True, empty_row=0)
     fn = lambda h_, w_, b_: fused_linear_simpo(h_, w_, labels, bias=b_, beta=2.5, gamma=0.7,
-                                               chunk_tokens=CHUNK)
+                                               chunk_tokens=chunk_tokens)
     ref = lambda h64, w64, b64: reference_simpo(logps64(h64, w64, b64, labels, dtype), labels != IGNORE,
                                                 2.5, 0.7)
     check_against(fn, ref, h, w, b, labels)
+    assert paired_calls == ([] if chunk_tokens else [1, 1])
 
 
 def test_smoothing_nll_one_pair(device):

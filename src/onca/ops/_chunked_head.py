@@ -44,9 +44,9 @@ pass keeps one fp32 ``lse`` (and entropy) per token and nothing of the logits; t
 plain torch on ``(tokens,)`` and ``(sequences,)`` tensors (graph-friendly: no host syncs, any loss
 composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one extra head matmul
 per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype);
-the reference model's pass is forward only (1 matmul). DPO, whose loss is a sum over pairs, takes
-the other way where it pays (:mod:`onca.ops._paired_head`: chunks of whole pairs, the per-pair
-derivatives in closed form, 3 matmuls). ``dWeight`` accumulates over the chunks in
+the reference model's pass is forward only (1 matmul). The paired losses (DPO, CPO, SimPO, ORPO:
+sums over pairs) take the other way where it pays (:mod:`onca.ops._paired_head`: chunks of whole
+pairs, the per-pair derivatives in closed form, 3 matmuls). ``dWeight`` accumulates over the chunks in
 the weight's dtype by default (liger-kernel's chunked losses do the same): an fp32 accumulator
 (``accum_dtype=torch.float32``, TRL's choice, the default of :func:`fused_linear_logprobs`) and its
 final cast hold three bytes per head element more at the backward's peak (3 GB for a bf16
@@ -500,7 +500,8 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
     ``hidden`` (fp32; ``is_top1`` bool; each optional one empty unless asked for), over the logits
     ``transform(hidden @ weight.T + bias)`` (``logit_scale``, soft-capping at ``softcap`` unless it
     is 0, ``temperature``). One head matmul per chunk and the statistics kernel; nothing else is
-    kept. ``accum_fp32`` is the backward's (its weight gradient accumulated in fp32)."""
+    kept. ``accum_fp32`` is the backward's (its weight gradient accumulated in fp32): the chunks
+    take the backward's scratch budget."""
     tokens = hidden.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logp = torch.empty(tokens, **f32)
@@ -510,7 +511,9 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
     mean = torch.empty(tokens if mean_logits else 0, **f32)
     top1 = torch.empty(tokens if is_top1 else 0, dtype=torch.int8, device=hidden.device)
     if tokens:
-        chunks = chunk_plan(tokens, hidden.shape[1], weight.shape[0], hidden.dtype, accum_fp32=False,
+        # The backward's scratch budget (twice the tokens with an fp32 weight gradient): the backward
+        # holds that much anyway, and the head's GEMM runs deeper in the token dimension.
+        chunks = chunk_plan(tokens, hidden.shape[1], weight.shape[0], hidden.dtype, accum_fp32=accum_fp32,
                             chunk_tokens=chunk_tokens, device=hidden.device)
 
         def visit(logits, start, end):

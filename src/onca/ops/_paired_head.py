@@ -1,5 +1,5 @@
-"""Pair-aligned chunks with the gradient in the forward pass: the paired preference losses (DPO) on
-three head matmuls per chunk instead of the chunk driver's four.
+"""Pair-aligned chunks with the gradient in the forward pass: the paired preference losses (DPO,
+CPO, SimPO, ORPO) on three head matmuls per chunk instead of the chunk driver's four.
 
 The chunk driver (:mod:`onca.ops._chunked_head`) keeps only per-token statistics in its forward and
 recomputes each chunk's logits in backward, because a preference loss's gradient w.r.t. a token's
@@ -22,8 +22,9 @@ loss's options.
 Chunks aim at ``GRAD_TILE_TOKENS`` tokens (the weight gradient's GEMM depth, as the chunk driver's
 backward tiles): ``max(1, 4096 // (2 T))`` pairs, so the scratch is ``2 * pairs * T`` rows of logits,
 more than the two-pass driver's (525 MB at T = 1024 with a Llama-3 head, against 131 MB). Where one
-pair's logits would take more than ``MAX_PAIR_SCRATCH_BYTES``, or the inputs are fp16 (a unit-scale gradient of ``c_s * p`` underflows before a loss scale could lift it), or no
-gradient is wanted, the losses keep the two-pass driver (:func:`use_paired_chunks`).
+pair's logits would take more than ``MAX_PAIR_SCRATCH_BYTES``, or the inputs are fp16 (a unit-scale
+gradient of ``c_s * p`` underflows before a loss scale could lift it), or no gradient is wanted,
+the losses keep the two-pass driver (:func:`use_paired_chunks`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradient
 __all__ = ["pair_chunks", "paired_loss", "register_pair_loss", "use_paired_chunks"]
 
 # name -> fn(chosen_sums, rejected_sums, chosen_counts, rejected_counts, extras, loss_type, params)
-# returning (per-pair losses, their derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32,
-# one per pair of the chunk. In closed form: inside a custom op autograd is off (the dispatcher
+# (the counts of non-ignored labels, 0 for a sequence with none) returning (per-pair losses, their
+# derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair of the chunk. In closed form: inside a custom op autograd is off (the dispatcher
 # runs it below autograd) and torch.func fails under a dispatch mode (a FLOP counter, selective
 # activation checkpointing).
 PAIR_LOSSES: dict = {}
@@ -102,7 +103,6 @@ def paired_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
     total = torch.zeros((), dtype=torch.float32, device=dev)
     counts = (labels != ignore_index).sum(-1).to(torch.float32)
     chosen_tokens = counts[:pairs].sum().clamp(min=1.0)
-    counts = counts.clamp(min=1.0)
     per_chunk = pair_chunks(pairs, seq, vocab, hidden.dtype, chunk_pairs=chunk_pairs or None) or 1
     rows = 2 * per_chunk * seq
     scratch = torch.empty((rows, vocab), dtype=hidden.dtype, device=dev)
@@ -173,6 +173,12 @@ def _backward(ctx, grad_loss, *_):
 register_autograd(paired_loss_forward, _backward, setup_context=_setup_context)
 
 
+def _stack_extras(extras, hidden: Tensor) -> Tensor:
+    if not extras:
+        return torch.zeros((0, hidden.shape[0] // 2), dtype=torch.float32, device=hidden.device)
+    return torch.stack([e.detach().to(torch.float32) for e in extras])
+
+
 def paired_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, extras, *, loss: str,
                 loss_type: str, params, nll_weight: float, ignore_index: int, accum_fp32: bool,
                 chunk_pairs: int | None = None) -> tuple[Tensor, Tensor]:
@@ -181,7 +187,7 @@ def paired_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Ten
     validated by the caller (:func:`onca.ops._posttrain.check_common`, ``check_paired``)."""
     grad = torch.is_grad_enabled()
     args = (hidden.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None,
-            labels.contiguous(), torch.stack([e.detach().to(torch.float32) for e in extras]), loss, loss_type,
+            labels.contiguous(), _stack_extras(extras, hidden), loss, loss_type,
             [float(p) for p in params], float(nll_weight), ignore_index, chunk_pairs or 0, accum_fp32,
             grad and hidden.requires_grad, grad and weight.requires_grad,
             grad and bias is not None and bias.requires_grad)

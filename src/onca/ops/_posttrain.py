@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, validate_head
+from onca.ops._paired_head import paired_loss, use_paired_chunks
 from onca.ops._validate import check_accum_dtype, check_bool, check_float, check_number, check_tensor
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "check_per_sequence",
     "chosen_nll",
     "policy_logps",
+    "policy_pair_logps",
     "reference_logps",
     "split_pairs",
 ]
@@ -92,6 +94,22 @@ def policy_logps(hidden, weight, labels, bias, *, ignore_index, temperature=1.0,
                                       temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens,
                                       accum_dtype=accum_dtype)
     return SequenceLogps(per_token, labels, ignore_index, ent)
+
+
+def policy_pair_logps(hidden, weight, labels, bias, extras, *, loss, loss_type, params, nll_weight, ignore_index,
+                      chunk_tokens, accum_dtype) -> tuple[Tensor | None, SequenceSums]:
+    """A paired loss's policy side: ``(loss, sums)`` on pair-aligned chunks where they apply
+    (:func:`onca.ops._paired_head.use_paired_chunks`: the fp32 loss, gradient included, and the
+    sequences' detached sums), else ``(None, per-token log-probabilities)`` from the chunk driver,
+    from which the caller computes the loss. ``loss``, ``loss_type``, ``params`` and ``extras``
+    name the per-pair function registered with :func:`onca.ops._paired_head.register_pair_loss`."""
+    if use_paired_chunks(hidden, weight, bias, chunk_tokens):
+        value, sums = paired_loss(hidden, weight, bias, labels, extras, loss=loss, loss_type=loss_type,
+                                  params=params, nll_weight=nll_weight, ignore_index=ignore_index,
+                                  accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))
+        return value, SequenceSums(sums, labels, ignore_index)
+    return None, policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                              accum_dtype=accum_dtype)
 
 
 def reference_logps(ref_hidden, ref_weight, labels, ref_bias, *, ignore_index, temperature=1.0,

@@ -14,7 +14,9 @@ log-probability (its mean over the non-ignored tokens for ``ipo`` and ``simpo``)
     simpo    as sigmoid with x - gamma / beta (SimPO's margin gamma)
 
 plus ``nll_weight`` (TRL's ``cpo_alpha``, default 1) times the chosen sequences' mean token NLL.
-The per-token log-probabilities come from the chunk driver (:mod:`onca.ops._chunked_head`).
+With a gradient (bf16, fp32) the policy's head runs on chunks of whole pairs with the gradient in
+the forward pass (:mod:`onca.ops._paired_head`); otherwise the per-token log-probabilities come from
+the chunk driver (:mod:`onca.ops._chunked_head`).
 """
 
 from __future__ import annotations
@@ -24,43 +26,77 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import plan
+from onca.ops._paired_head import register_pair_loss
 from onca.ops._posttrain import (
     check_beta,
     check_choice,
     check_common,
     check_paired,
     chosen_nll,
-    policy_logps,
+    policy_pair_logps,
     split_pairs,
 )
 from onca.ops._validate import check_number
 
-__all__ = ["LOSS_TYPES", "cpo_loss", "fused_linear_cpo", "plan"]
+__all__ = ["LOSS_TYPES", "cpo_loss", "cpo_loss_grads", "cpo_losses", "fused_linear_cpo", "plan"]
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+def cpo_losses(loss_type: str, beta: float, gamma: float, label_smoothing: float, x: Tensor) -> Tensor:
+    """Per-pair CPO losses ``(B,)`` of the margins ``x = pi_c - pi_r``, as TRL 1.16 computes them."""
+    ls = label_smoothing
+    if loss_type in ("sigmoid", "simpo"):
+        z = beta * x - (gamma if loss_type == "simpo" else 0.0)
+        return -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * x)
+    return (x - 1 / (2 * beta)) ** 2
+
+
+def cpo_loss_grads(loss_type: str, beta: float, gamma: float, label_smoothing: float,
+                   x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(losses, dlosses/dx)`` per pair in closed form (the pair-aligned path runs inside a custom
+    op, where autograd is off); ``tests/ops/test_fused_linear_cpo.py`` holds them to autograd."""
+    losses = cpo_losses(loss_type, beta, gamma, label_smoothing, x)
+    ls = label_smoothing
+    if loss_type in ("sigmoid", "simpo"):
+        z = beta * x - (gamma if loss_type == "simpo" else 0.0)
+        return losses, beta * (-(1 - ls) * torch.sigmoid(-z) + ls * torch.sigmoid(z))
+    if loss_type == "hinge":
+        return losses, -beta * (beta * x < 1).to(x.dtype)
+    return losses, 2 * (x - 1 / (2 * beta))
+
+
+def _averaged(loss_type: str) -> bool:
+    """Whether the loss type scores a sequence by its mean token log-probability (else its sum)."""
+    return loss_type in ("ipo", "simpo")
+
+
+def _pair_loss(sums_c, sums_r, counts_c, counts_r, extras, loss_type, params):
+    """The per-pair CPO losses and their derivatives w.r.t. the sequences' sums, on the
+    pair-aligned path (:mod:`onca.ops._paired_head`)."""
+    beta, gamma, label_smoothing = params
+    n_c, n_r = (counts_c.clamp(min=1.0), counts_r.clamp(min=1.0)) if _averaged(loss_type) else (1.0, 1.0)
+    losses, dx = cpo_loss_grads(loss_type, beta, gamma, label_smoothing, sums_c / n_c - sums_r / n_r)
+    return losses, dx / n_c, -dx / n_r
+
+
+register_pair_loss("cpo", _pair_loss)
 
 
 def cpo_loss(hidden, weight, labels, bias, *, beta, loss_type, gamma, label_smoothing, nll_weight, ignore_index,
              chunk_tokens, return_aux, accum_dtype=None):
     """The shared body of CPO and SimPO (inputs already checked)."""
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                         accum_dtype=accum_dtype)
-    average = loss_type in ("ipo", "simpo")
-    pi_c, pi_r = split_pairs(logps.means if average else logps.sums)
-    x = pi_c - pi_r
-    ls = label_smoothing
-    if loss_type in ("sigmoid", "simpo"):
-        if loss_type == "simpo":
-            x = x - gamma / beta
-        losses = -(1 - ls) * F.logsigmoid(beta * x) - ls * F.logsigmoid(-beta * x)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * x)
-    else:
-        losses = (x - 1 / (2 * beta)) ** 2
-    loss = losses.mean()
+    loss, logps = policy_pair_logps(hidden, weight, labels, bias, [], loss="cpo", loss_type=loss_type,
+                                    params=[beta, gamma, label_smoothing], nll_weight=nll_weight,
+                                    ignore_index=ignore_index, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
+    pi_c, pi_r = split_pairs(logps.means if _averaged(loss_type) else logps.sums)
     nll = chosen_nll(logps) if (nll_weight or return_aux) else None
-    if nll_weight:
-        loss = loss + nll_weight * nll
+    if loss is None:
+        loss = cpo_losses(loss_type, beta, gamma, label_smoothing, pi_c - pi_r).mean()
+        if nll_weight:
+            loss = loss + nll_weight * nll
     if not return_aux:
         return loss
     chosen_rewards, rejected_rewards = beta * pi_c.detach(), beta * pi_r.detach()

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import plan
-from onca.ops._paired_head import paired_loss, register_pair_loss, use_paired_chunks
+from onca.ops._paired_head import register_pair_loss
 from onca.ops._posttrain import (
     check_beta,
     check_choice,
@@ -51,12 +51,11 @@ from onca.ops._posttrain import (
     check_paired,
     check_per_sequence,
     chosen_nll,
-    SequenceSums,
-    policy_logps,
+    policy_pair_logps,
     reference_logps,
     split_pairs,
 )
-from onca.ops._validate import check_accum_dtype, check_number
+from onca.ops._validate import check_number
 
 __all__ = ["LOSS_TYPES", "dpo_loss_grads", "dpo_losses", "fused_linear_dpo", "plan"]
 
@@ -144,7 +143,8 @@ def _pair_loss(sums_c, sums_r, counts_c, counts_r, extras, loss_type, params):
     pair-aligned path (:mod:`onca.ops._paired_head`)."""
     ref_c, ref_r = extras.unbind(0)
     beta, label_smoothing = params
-    return dpo_loss_grads(loss_type, beta, label_smoothing, sums_c - ref_c, sums_r - ref_r, counts_c, counts_r)
+    return dpo_loss_grads(loss_type, beta, label_smoothing, sums_c - ref_c, sums_r - ref_r, counts_c.clamp(min=1.0),
+                          counts_r.clamp(min=1.0))
 
 
 register_pair_loss("dpo", _pair_loss)
@@ -220,15 +220,9 @@ def fused_linear_dpo(
                               chunk_tokens=chunk_tokens)
         ref_c, ref_r = split_pairs(ref.sums)
 
-    if use_paired_chunks(hidden, weight, bias, chunk_tokens):
-        loss, sums = paired_loss(hidden, weight, bias, labels, [ref_c, ref_r], loss="dpo", loss_type=loss_type,
-                                 params=[beta, label_smoothing], nll_weight=nll_weight, ignore_index=ignore_index,
-                                 accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))
-        logps = SequenceSums(sums, labels, ignore_index)
-    else:
-        logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                             accum_dtype=accum_dtype)
-        loss = None
+    loss, logps = policy_pair_logps(hidden, weight, labels, bias, [ref_c, ref_r], loss="dpo", loss_type=loss_type,
+                                    params=[beta, label_smoothing], nll_weight=nll_weight, ignore_index=ignore_index,
+                                    chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
     pi_c, pi_r = split_pairs(logps.sums)
     n_c, n_r = (n.clamp(min=1.0) for n in split_pairs(logps.counts))
     chosen_lr, rejected_lr = pi_c - ref_c, pi_r - ref_r

@@ -72,7 +72,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     if len(shape) != 3:
         raise ValueError(f"fused_linear_logprobs plans take shape (tokens, hidden, vocab), got {shape}")
     tokens, hidden, vocab = shape
-    forward = chunk_plan(tokens, hidden, vocab, dtype, accum_fp32=False, device=accelerator())
+    forward = chunk_plan(tokens, hidden, vocab, dtype, device=accelerator())
     backward, width = grad_tiles(tokens, hidden, vocab, dtype, device=accelerator())
     return {"chunks": forward, "backward_chunks": backward,
             "logprob": plan_rows(forward.chunk, vocab, dtype, profile=profile, **WIDE_TILES),

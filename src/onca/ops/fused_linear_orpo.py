@@ -10,8 +10,10 @@ sequence's mean token log-probability over its non-ignored labels::
 ``NLL(chosen)`` is the chosen sequences' mean token NLL over their non-ignored labels (TRL scores
 the labels it is given: mask the prompt with ``ignore_index`` or not, as its ``labels`` do);
 ``nll_weight`` is 1 in ORPO. A pair with a sequence whose every label is ignored has no odds (its
-mean log-probability is undefined): its odds-ratio term is 0 (TRL gives NaN). The per-token
-log-probabilities come from the chunk driver (:mod:`onca.ops._chunked_head`).
+mean log-probability is undefined): its odds-ratio term is 0 (TRL gives NaN). With a gradient
+(bf16, fp32) the policy's head runs on chunks of whole pairs with the gradient in the forward pass
+(:mod:`onca.ops._paired_head`); otherwise the per-token log-probabilities come from the chunk driver
+(:mod:`onca.ops._chunked_head`).
 """
 
 from __future__ import annotations
@@ -21,15 +23,48 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import plan
-from onca.ops._posttrain import check_beta, check_common, check_paired, chosen_nll, policy_logps, split_pairs
+from onca.ops._paired_head import register_pair_loss
+from onca.ops._posttrain import check_beta, check_common, check_paired, chosen_nll, policy_pair_logps, split_pairs
 from onca.ops._validate import check_number
 
-__all__ = ["fused_linear_orpo", "log1mexp", "plan"]
+__all__ = ["fused_linear_orpo", "log1mexp", "odds_ratio_grads", "odds_ratios", "plan"]
 
 
 def log1mexp(x: Tensor) -> Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of ``-log 2``."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def odds_ratios(avg_c: Tensor, avg_r: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
+    """``(log_odds, logsigmoid(log_odds))`` per pair of mean log-probabilities; both 0 where a pair
+    is not ``present`` (a sequence without labels)."""
+    # Where a sequence is empty its mean is no log-probability: give log1mexp a safe input, drop the term.
+    safe_c, safe_r = torch.where(present, avg_c, -1.0), torch.where(present, avg_r, -1.0)
+    log_odds = (safe_c - safe_r) - (log1mexp(safe_c) - log1mexp(safe_r))
+    return torch.where(present, log_odds, 0.0), torch.where(present, F.logsigmoid(log_odds), 0.0)
+
+
+def odds_ratio_grads(avg_c: Tensor, avg_r: Tensor, present: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logsigmoid(log_odds), d/davg_c, d/davg_r)`` per pair in closed form (the pair-aligned
+    path runs inside a custom op, where autograd is off): ``dlog_odds/davg_c = 1 / (1 - exp(avg_c))``,
+    ``dlog_odds/davg_r = -1 / (1 - exp(avg_r))``; 0 where the pair is not ``present``."""
+    log_odds, ratio = odds_ratios(avg_c, avg_r, present)
+    outer = torch.where(present, torch.sigmoid(-log_odds), 0.0)
+    safe_c, safe_r = torch.where(present, avg_c, -1.0), torch.where(present, avg_r, -1.0)
+    return ratio, outer / -torch.expm1(safe_c), -outer / -torch.expm1(safe_r)
+
+
+def _pair_loss(sums_c, sums_r, counts_c, counts_r, extras, loss_type, params):
+    """The per-pair odds-ratio losses ``-beta logsigmoid(log_odds)`` and their derivatives w.r.t.
+    the sequences' sums, on the pair-aligned path (:mod:`onca.ops._paired_head`); the NLL term is
+    the path's ``nll_weight``."""
+    (beta,) = params
+    n_c, n_r = counts_c.clamp(min=1.0), counts_r.clamp(min=1.0)
+    ratio, d_c, d_r = odds_ratio_grads(sums_c / n_c, sums_r / n_r, (counts_c > 0) & (counts_r > 0))
+    return -beta * ratio, -beta * d_c / n_c, -beta * d_r / n_r
+
+
+register_pair_loss("orpo", _pair_loss)
 
 
 def fused_linear_orpo(
@@ -59,19 +94,17 @@ def fused_linear_orpo(
     check_paired(hidden, labels)
     check_beta(beta)
     check_number(nll_weight, "nll_weight", minimum=0.0)
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                         accum_dtype=accum_dtype)
+    loss, logps = policy_pair_logps(hidden, weight, labels, bias, [], loss="orpo", loss_type="", params=[beta],
+                                    nll_weight=nll_weight, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                                    accum_dtype=accum_dtype)
     avg_c, avg_r = split_pairs(logps.means)
     n_c, n_r = split_pairs(logps.counts)
-    present = (n_c > 0) & (n_r > 0)
-    # Where a sequence is empty its mean is no log-probability: give log1mexp a safe input, drop the term.
-    safe_c, safe_r = torch.where(present, avg_c, -1.0), torch.where(present, avg_r, -1.0)
-    log_odds = (safe_c - safe_r) - (log1mexp(safe_c) - log1mexp(safe_r))
-    ratio = torch.where(present, F.logsigmoid(log_odds), 0.0)
-    loss = -beta * ratio.mean()
+    log_odds, ratio = odds_ratios(avg_c, avg_r, (n_c > 0) & (n_r > 0))
     nll = chosen_nll(logps) if (nll_weight or return_aux) else None
-    if nll_weight:
-        loss = loss + nll_weight * nll
+    if loss is None:
+        loss = -beta * ratio.mean()
+        if nll_weight:
+            loss = loss + nll_weight * nll
     if not return_aux:
         return loss
     chosen_rewards, rejected_rewards = beta * avg_c.detach(), beta * avg_r.detach()
@@ -81,5 +114,5 @@ def fused_linear_orpo(
         "reward_accuracies": (chosen_rewards > rejected_rewards).to(torch.float32),
         "reward_margins": chosen_rewards - rejected_rewards,
         "nll_loss": nll.detach(), "log_odds_ratio": ratio.detach().mean(),
-        "log_odds_chosen": torch.where(present, log_odds, 0.0).detach().mean(),
+        "log_odds_chosen": log_odds.detach().mean(),
     }

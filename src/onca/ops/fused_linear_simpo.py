@@ -8,8 +8,9 @@ its non-ignored tokens (0 for a sequence with none)::
                 - ls logsigmoid(-(beta (avg_c - avg_r) - gamma)))  +  nll_weight * NLL(chosen)
 
 which is TRL 1.16's ``CPOTrainer`` with ``loss_type="simpo"`` (``simpo_gamma = gamma``, ``cpo_alpha
-= nll_weight``); the paper's loss is ``label_smoothing = nll_weight = 0``. The per-token
-log-probabilities come from the chunk driver (:mod:`onca.ops._chunked_head`).
+= nll_weight``); the paper's loss is ``label_smoothing = nll_weight = 0``. It runs as CPO's
+``simpo`` loss type (:func:`onca.ops.fused_linear_cpo.cpo_loss`): on pair-aligned chunks with the
+gradient in the forward pass where a gradient is wanted, else on the chunk driver.
 """
 
 from __future__ import annotations
