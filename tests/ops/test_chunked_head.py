@@ -126,15 +126,15 @@ def test_grad_tiles_reshape_the_forward_scratch():
 
 
 @pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=["bf16-dw", "fp32-dw"])
-def test_forward_takes_the_backward_budget(monkeypatch, accum_dtype):
+def test_forward_takes_the_backward_budget(monkeypatch, device, accum_dtype):
     """The forward's chunks are planned with the backward's accumulator (an fp32 weight gradient
     doubles the scratch, and the forward's GEMM gets the deeper chunks the backward holds anyway)."""
     seen = []
     plan_chunks = _chunked_head.chunk_plan
     monkeypatch.setattr(_chunked_head, "chunk_plan",
                         lambda *a, **k: seen.append(k["accum_fp32"]) or plan_chunks(*a, **k))
-    h, w = randn(2, 5, 8, dtype=torch.bfloat16), randn(24, 8, dtype=torch.bfloat16)
-    labels = torch.randint(0, 24, (2, 5))
+    h, w = randn(2, 5, 8, dtype=torch.bfloat16, device=device), randn(24, 8, dtype=torch.bfloat16, device=device)
+    labels = torch.randint(0, 24, (2, 5), device=device)
     with torch.no_grad():
         chunked_logprobs(h, w, labels, accum_dtype=accum_dtype)
     assert seen == [accum_dtype is not None]

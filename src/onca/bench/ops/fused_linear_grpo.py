@@ -30,13 +30,25 @@ def reference(p, inputs):
 def liger(p, inputs):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    loss = LigerFusedLinearGRPOLoss(beta=0.0, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
-                                    use_ref_model=False)
     i = inputs
     mask = (i["labels"] != -100).long()
-    return lambda: loss(i["hidden"], i["weight"], i["labels"].clamp(min=0), mask, i["advantages"],
-                        old_per_token_logps=i["old_logps"])[0]
+
+    def make(compiled):
+        loss = LigerFusedLinearGRPOLoss(beta=0.0, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
+                                        use_ref_model=False, compiled=compiled)
+        return lambda: loss(i["hidden"], i["weight"], i["labels"].clamp(min=0), mask, i["advantages"],
+                            old_per_token_logps=i["old_logps"])[0]
+
+    # liger compiles its per-chunk loss with torch.compile, which fails on some PyTorch versions
+    # (2.11: "sources must not be empty for symbol"): then its uncompiled chunks, as a user would run.
+    compiled = make(True)
+    try:
+        compiled()
+    except Exception:  # noqa: BLE001 - any compile failure
+        return make(False)
+    return compiled
 
 
 BENCHMARK = benchmark("fused_linear_grpo", onca, reference, liger, uses_ref=False,
-                      config="dapo, epsilon 0.2/0.2, beta 0 (no reference), old log-probs given")
+                      config="dapo, epsilon 0.2/0.2, beta 0 (no reference), old log-probs given; liger's "
+                             "chunks uncompiled where its torch.compile fails")
