@@ -165,6 +165,38 @@ def test_backward_over_vocabulary_tiles(profile, device, dtype, vocab_tiles):
     assert vocab_tiles and all(width < 203 for width in vocab_tiles)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` hands out NaN-filled floating buffers: a gradient that reads an accumulator
+    it never wrote (the weight gradient is written, not zero-filled and added, by its first chunk)
+    turns NaN."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def test_gradients_never_read_unwritten_memory(device, vocab_tiles, poisoned_empty):
+    """The tiled backward (several token chunks and vocabulary tiles, an fp32 and a bf16 weight
+    gradient) and the pair-aligned DPO path, with every fresh buffer NaN: the same gradients."""
+    from onca.ops.fused_linear_dpo import fused_linear_dpo
+
+    h, w, b, labels = make_inputs((4, 9, 16, 203), torch.float32, device, bias=True, empty_row=1)
+    check(h, w, b, labels, chunk_tokens=None)
+    for accum_dtype in (None, torch.float32):
+        hk, wk = leaf(h.bfloat16()), leaf(w.bfloat16())
+        logp, _ = chunked_logprobs(hk, wk, labels, accum_dtype=accum_dtype)
+        logp.sum().backward()
+        assert torch.isfinite(hk.grad).all() and torch.isfinite(wk.grad).all()
+    hk, wk = leaf(h), leaf(w)
+    fused_linear_dpo(hk, wk, labels, ref_chosen_logps=torch.zeros(2, device=device),
+                     ref_rejected_logps=torch.zeros(2, device=device)).backward()
+    assert torch.isfinite(hk.grad).all() and torch.isfinite(wk.grad).all()
+
+
 def test_op_contract(device):
     h, w, b, labels = make_inputs((2, 5, 8, 24), torch.float32, device, bias=True, prompt=1)
 
@@ -184,7 +216,8 @@ def _accumulator_dtypes(monkeypatch) -> list:
     seen = []
     add = _chunked_head.accumulate_dw
     for module in (_chunked_head, _paired_head):
-        monkeypatch.setattr(module, "accumulate_dw", lambda dw, g, h: seen.append(dw.dtype) or add(dw, g, h))
+        monkeypatch.setattr(module, "accumulate_dw",
+                            lambda dw, g, h, **k: seen.append(dw.dtype) or add(dw, g, h, **k))
     return seen
 
 

@@ -378,10 +378,11 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
         acc.add_(torch.mm(a, b))
 
 
-def accumulate_dw(dw: Tensor, g: Tensor, h: Tensor) -> None:
-    """``dw += g.T @ h`` with ``dw`` fp32 (or the weight's own dtype): without rounding the product
-    to the inputs' dtype where torch can (:func:`accumulate_mm`)."""
-    accumulate_mm(dw, g.t(), h.to(g.dtype), first=False)
+def accumulate_dw(dw: Tensor, g: Tensor, h: Tensor, *, first: bool = False) -> None:
+    """``dw += g.T @ h`` (``dw = g.T @ h`` when ``first``: no zero-filled accumulator to read) with
+    ``dw`` fp32 (or the weight's own dtype): without rounding the product to the inputs' dtype where
+    torch can (:func:`accumulate_mm`)."""
+    accumulate_mm(dw, g.t(), h.to(g.dtype), first=first)
 
 
 def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: ChunkPlan, visit, *,
@@ -414,8 +415,9 @@ def grad_tile_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: 
     """The backward's loop over ``(token chunk, vocabulary tile)`` tiles (:func:`grad_tiles`): each
     tile's logits ``h @ weight[v0:v1].T (+ bias)`` by one matmul into a reused scratch, then
     ``visit(logits, start, end, v0)`` writes ``dLoss/dLogits`` over them; then ``dw[v0:v1] +=
-    g.T @ h``, ``db[v0:v1] += g.sum(0)`` and ``dx[chunk] += g @ weight[v0:v1]`` (accumulated in
-    fp32 over the tiles, one rounding at the end, where the vocabulary takes more than one tile)."""
+    g.T @ h`` (written, not added, by the first token chunk: ``dw`` may be uninitialised), ``db[v0:v1]
+    += g.sum(0)`` and ``dx[chunk] += g @ weight[v0:v1]`` (accumulated in fp32 over the tiles, one
+    rounding at the end, where the vocabulary takes more than one tile)."""
     vocab = weight.shape[0]
     scratch = torch.empty(chunks.chunk * width, dtype=hidden.dtype, device=hidden.device)
     tiled = width < vocab
@@ -435,7 +437,7 @@ def grad_tile_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: 
             elif dx is not None:
                 accumulate_mm(dx_acc[: end - start], logits, w, first=v0 == 0)
             if dw is not None:
-                accumulate_dw(dw[v0:v1], logits, h)
+                accumulate_dw(dw[v0:v1], logits, h, first=index == 0)
             if db is not None:
                 db[v0:v1] += logits.sum(dim=0, dtype=torch.float32)
         if dx_acc is not None:
@@ -556,13 +558,15 @@ def chunked_logprob_backward(grad_logp: Tensor | None, grad_entropy: Tensor | No
     tokens, width = hidden.shape
     dx = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grad_hidden else None
     dw_dtype = torch.float32 if accum_fp32 else weight.dtype
-    dw = torch.zeros(weight.shape, dtype=dw_dtype, device=hidden.device) if grad_weight else None
+    # dw is written by the first token chunk of the tile loop; zero only where no loop runs.
+    dw = torch.empty(weight.shape, dtype=dw_dtype, device=hidden.device) if grad_weight else None
     db = torch.zeros(bias.shape, dtype=torch.float32, device=hidden.device) if grad_bias else None
     wanted = grad_hidden or grad_weight or grad_bias
-    if tokens and wanted and grad_logp is None and grad_entropy is None:
-        if dx is not None:
-            dx.zero_()
-    elif tokens and wanted:
+    if not tokens or (wanted and grad_logp is None and grad_entropy is None):
+        for t in (dx, dw):
+            if t is not None:
+                t.zero_()
+    elif wanted:
         g_lp = grad_logp.to(torch.float32).contiguous() if grad_logp is not None else None
         g_ent = grad_entropy.to(torch.float32).contiguous() if grad_entropy is not None else None
         vocab = weight.shape[0]

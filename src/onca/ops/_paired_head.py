@@ -96,7 +96,8 @@ def paired_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
     dev = hidden.device
     h2d, target = hidden.reshape(n_seq * seq, width), labels.reshape(-1)
     dx = torch.empty_like(h2d) if grad_hidden else None
-    dw = torch.zeros(weight.shape, dtype=torch.float32 if accum_fp32 else weight.dtype, device=dev) \
+    # Written by the first chunk (accumulate_dw's first): no zero fill of a head-sized buffer.
+    dw = torch.empty(weight.shape, dtype=torch.float32 if accum_fp32 else weight.dtype, device=dev) \
         if grad_weight else None
     db = torch.zeros(vocab, dtype=torch.float32, device=dev) if grad_bias else None
     sums = torch.empty(n_seq, dtype=torch.float32, device=dev)
@@ -138,7 +139,7 @@ def paired_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
             torch.mm(logits[:n], weight, out=dx[blocks[0]])
             torch.mm(logits[n:], weight, out=dx[blocks[1]])
         if dw is not None:
-            accumulate_dw(dw, logits, h)
+            accumulate_dw(dw, logits, h, first=i0 == 0)
         if db is not None:
             db += logits.sum(dim=0, dtype=torch.float32)
     empty = hidden.new_empty(0)
