@@ -54,7 +54,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/ops/test_fused_linear_orpo.py", "tests/ops/test_fused_linear_cpo.py",
         "tests/ops/test_fused_linear_kto.py", "tests/ops/test_fused_linear_grpo.py",
         "tests/ops/test_fused_linear_distill.py", "tests/nn/test_posttrain.py",
-        "tests/ops/test_fused_linear_logprobs.py",
+        "tests/ops/test_fused_linear_logprobs.py", "tests/ops/test_matmul.py",
     ),
     "13": (  # row activations and TVD (issue 16)
         "tests/ops/test_softmax.py", "tests/nn/test_softmax.py", "tests/ops/test_sparsemax.py",

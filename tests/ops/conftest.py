@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from onca.ops import _paired_head
 
@@ -20,3 +21,17 @@ def paired_calls(monkeypatch):
     for name, fn in list(_paired_head.PAIR_LOSSES.items()):
         monkeypatch.setitem(_paired_head.PAIR_LOSSES, name, counting(fn))
     return calls
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` hands out NaN-filled floating buffers: an output that reads memory it never
+    wrote (an accumulator written, not zero-filled and added, by its first chunk; a gradient written
+    over a dead buffer) turns NaN."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)

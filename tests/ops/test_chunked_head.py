@@ -165,20 +165,6 @@ def test_backward_over_vocabulary_tiles(profile, device, dtype, vocab_tiles):
     assert vocab_tiles and all(width < 203 for width in vocab_tiles)
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """``torch.empty`` hands out NaN-filled floating buffers: a gradient that reads an accumulator
-    it never wrote (the weight gradient is written, not zero-filled and added, by its first chunk)
-    turns NaN."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 def test_gradients_never_read_unwritten_memory(device, vocab_tiles, poisoned_empty):
     """The tiled backward (several token chunks and vocabulary tiles, an fp32 and a bf16 weight
     gradient) and the pair-aligned DPO path, with every fresh buffer NaN: the same gradients."""

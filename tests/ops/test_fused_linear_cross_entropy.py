@@ -225,7 +225,8 @@ def test_one_token(device, reduction):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_fp32_weight_gradient_accumulation(device, dtype):
+def test_fp32_weight_gradient_accumulation(device, dtype, poisoned_empty):
+    """Every fresh buffer NaN: the fp32 accumulator is written by the first chunk, not zero-filled."""
     h, w, b, t = make_inputs(BASE, dtype, device, bias=True)
     check(h, w, b, t, "mean", accum_dtype=torch.float32)
     check(h, w, b, t, "none", accum_dtype=torch.float32)

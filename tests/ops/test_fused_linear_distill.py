@@ -75,6 +75,14 @@ def test_divergences(device, divergence):
     check(torch.float32, device, divergence, shape=(21, 8, 8, 97), chunk_tokens=None)
 
 
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_bf16_gradient_over_dead_buffers(device, divergence, poisoned_empty):
+    """bf16 without the hard-label term: the divergence kernel writes the bf16 gradient over the
+    student's fp32 logits (cosine: copied over the teacher's); several chunks, every fresh buffer
+    NaN (the weight gradient is written by the first chunk, not zero-filled)."""
+    check(torch.bfloat16, device, divergence, w_hard=0.0, w_soft=1.0, shape=(21, 8, 8, 97))
+
+
 def test_no_labels_one_token(device):
     check(torch.float32, device, "jsd", w_hard=0.0, w_soft=1.0, bias=False, with_labels=False, shape=(1, 8, 8, 50))
 

@@ -75,6 +75,14 @@ def test_matches_reference(profile, device, chunk_tokens, dtype, beta, temperatu
     check(*make_inputs(*BASE, dtype, device, ignore_every=3), beta=beta, temperature=temperature)
 
 
+def test_weight_gradient_written_by_the_first_chunk(device, chunk_tokens, poisoned_empty):
+    """Several chunks with every fresh buffer NaN: the fp32 weight gradient is written by the first
+    chunk, not zero-filled and added into."""
+    tokens, hidden, _, vocab = BASE
+    chunk_tokens(16, vocab)
+    check(*make_inputs(*BASE, torch.bfloat16, device, ignore_every=3), beta=0.5)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_shapes(device, case):
     check(*make_inputs(*case, torch.bfloat16, device, ignore_every=4), beta=0.3, temperature=1.5)

@@ -70,7 +70,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, accelerator
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
-from onca.ops._matmul import has_fp32_out_dtype
+from onca.ops._matmul import accumulate_dw, accumulate_mm, has_fp32_out_dtype
 from onca.ops._rows import as_rows
 from onca.ops._validate import (
     autocast_enabled,
@@ -353,38 +353,6 @@ def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> 
     return out
 
 
-def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
-    """``acc = a @ b`` (``first``) or ``acc += a @ b`` for an fp32 (or the operands' dtype)
-    ``acc``, without rounding the product to the operands' dtype where torch can (CUDA's
-    fp32-output matmul; upcast operands on the CPU)."""
-    if a.dtype == acc.dtype:
-        if first:
-            torch.mm(a, b, out=acc)
-        else:
-            acc.addmm_(a, b)
-    elif has_fp32_out_dtype(acc.device.type, a.dtype):
-        if first:
-            torch.mm(a, b, out_dtype=torch.float32, out=acc)
-        else:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    elif acc.device.type == "cpu":
-        if first:
-            torch.mm(a.float(), b.float(), out=acc)
-        else:
-            acc.addmm_(a.float(), b.float())
-    elif first:
-        acc.copy_(torch.mm(a, b))
-    else:
-        acc.add_(torch.mm(a, b))
-
-
-def accumulate_dw(dw: Tensor, g: Tensor, h: Tensor, *, first: bool = False) -> None:
-    """``dw += g.T @ h`` (``dw = g.T @ h`` when ``first``: no zero-filled accumulator to read) with
-    ``dw`` fp32 (or the weight's own dtype): without rounding the product to the inputs' dtype where
-    torch can (:func:`accumulate_mm`)."""
-    accumulate_mm(dw, g.t(), h.to(g.dtype), first=first)
-
-
 def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: ChunkPlan, visit, *,
                dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None,
                logits_dtype: torch.dtype | None = None) -> None:
@@ -393,7 +361,8 @@ def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: Chun
     end)``, which reads them and, when any of ``dx``/``dw``/``db`` is given, returns
     ``dLoss/dLogits`` in the input dtype (usually written over the logits themselves; ``None``
     means the logits buffer holds it), zero rows for tokens that take no gradient; then
-    ``dx[chunk] = g @ W``, ``dw += g.T @ h``, ``db += g.sum(0)``."""
+    ``dx[chunk] = g @ W``, ``dw += g.T @ h`` (``=`` on the first chunk: ``dw`` may be
+    uninitialised), ``db += g.sum(0)``."""
     vocab = weight.shape[0]
     scratch = torch.empty((chunks.chunk, vocab), dtype=logits_dtype or hidden.dtype, device=hidden.device)
     for index in range(chunks.n_chunks):
@@ -405,7 +374,7 @@ def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: Chun
         if dx is not None:
             torch.mm(g, weight, out=dx[start:end])
         if dw is not None:
-            accumulate_dw(dw, g, h)
+            accumulate_dw(dw, g, h, first=index == 0)
         if db is not None:
             db += g.sum(dim=0, dtype=torch.float32)
 

@@ -61,7 +61,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator, free_memory
 from onca.ops._contract import custom_op, register_autograd, tracing
-from onca.ops._matmul import has_fp32_out_dtype
+from onca.ops._matmul import accumulate_dw, has_fp32_out_dtype
 from onca.ops._rows import as_rows
 from onca.ops._validate import autocast_enabled, check_bool, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import (
@@ -128,24 +128,6 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 # --------------------------------------------------------------------------------------- launchers
 
 
-def _accumulate_dw(dw: Tensor, dlogits: Tensor, h: Tensor, first: bool) -> None:
-    """``dw (+)= dlogits.T @ h``: overwrite on the first chunk, accumulate after."""
-    if dw.dtype == dlogits.dtype:
-        if first:
-            torch.mm(dlogits.t(), h, out=dw)
-        else:
-            dw.addmm_(dlogits.t(), h)
-    elif has_fp32_out_dtype(dw.device.type, dlogits.dtype):
-        torch.addmm(dw, dlogits.t(), h, out_dtype=dw.dtype, out=dw)
-    else:
-        # fp32 accumulation of low-precision operands without out_dtype: slices of the vocabulary,
-        # each product no larger than the chunk's logits.
-        vocab, hidden = dw.shape
-        step = max(1, dlogits.numel() * dlogits.element_size() // (hidden * (dlogits.element_size() + 4)))
-        for v0 in range(0, vocab, step):
-            dw[v0:v0 + step].add_(torch.mm(dlogits[:, v0:v0 + step].t(), h))
-
-
 def _chunk_loop(h2d, weight, bias, target, chunks: ChunkPlan, options: dict, *, compute_lse: bool,
                 lse, write_grad: bool, loss=None, z=None, predicted=None, scale=None, z_scale=None,
                 dx=None, dw=None, db=None) -> None:
@@ -179,7 +161,7 @@ def _chunk_loop(h2d, weight, bias, target, chunks: ChunkPlan, options: dict, *, 
         if dx is not None:
             torch.mm(logits, weight, out=dx[start:end])
         if dw is not None:
-            _accumulate_dw(dw, logits, h, first=index == 0)
+            accumulate_dw(dw, logits, h, first=index == 0)
         if db is not None:
             db += logits.sum(dim=0, dtype=torch.float32)
 
@@ -192,8 +174,8 @@ def _grad_buffers(h2d, weight, bias, needs, accum_fp32: bool):
     dw = db = None
     if need_dw:
         dtype = torch.float32 if accum_fp32 else weight.dtype
-        # The first chunk overwrites a same-dtype dW; other paths (and no chunks at all) add to it.
-        alloc = torch.empty if dtype == h2d.dtype and tokens > 0 else torch.zeros
+        # The first chunk writes dW (accumulate_dw's first); with no chunks at all it stays zero.
+        alloc = torch.empty if tokens > 0 else torch.zeros
         dw = alloc(weight.shape, dtype=dtype, device=h2d.device)
     if need_db:
         db = torch.zeros(bias.shape, dtype=torch.float32, device=h2d.device)

@@ -46,7 +46,7 @@ from onca.ops._validate import (
     check_tensor,
 )
 from onca.ops.cross_entropy import ForwardGradients, cross_entropy_rows, scale_forward_gradient
-from onca.ops.jsd import jsd_rows, plan_divergence
+from onca.ops.jsd import gradient_view, jsd_rows, plan_divergence
 from onca.tiling import ChunkPlan, plan_token_chunks
 
 __all__ = ["DIVERGENCES", "chunk_plan", "fused_linear_distill", "plan"]
@@ -119,7 +119,7 @@ def fused_linear_distill_forward(
     with_grad = grad_hidden or grad_weight or grad_bias
     dx = torch.empty((tokens, width), dtype=sh.dtype, device=device) if grad_hidden else None
     dw_dtype = torch.float32 if accum_fp32 else sw.dtype
-    dw = torch.zeros(sw.shape, dtype=dw_dtype, device=device) if grad_weight else None
+    dw = torch.empty(sw.shape, dtype=dw_dtype, device=device) if grad_weight else None  # chunk_loop writes it
     db = torch.zeros(sb.shape, dtype=torch.float32, device=device) if grad_bias else None
     hard = weight_hard_loss != 0.0
     if tokens:
@@ -140,22 +140,31 @@ def fused_linear_distill_forward(
                                    softcap=0.0, compute_lse=True, lse=lse[:n], loss=hard_rows[start:end],
                                    z=z_rows[:n], grad=h_buf[:n] if with_grad else None,
                                    scale=hard_scale.reshape(()) if with_grad else None)
+            # The gradient in the weight's dtype, with no buffer of its own: written by the divergence
+            # kernel over the student's fp32 logits (gradient_view) when it is the whole gradient,
+            # else summed in fp32 over them and copied over the teacher's logits, dead by then.
+            direct = with_grad and not hard and divergence != "cosine"
             if divergence == "cosine":
                 _cosine_rows(s, t, valid[start:end] if valid is not None else None,
                              soft_scale if with_grad else torch.zeros(1, device=device), soft_rows[start:end])
             else:
                 mode_beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, beta)
-                jsd_rows(s, t, lab, soft_scale, s if with_grad else None, soft_rows[start:end], mode_beta,
-                         ignore_index, temperature, normalize=True)
+                dz = gradient_view(s, sw.dtype) if direct else (s if with_grad else None)
+                jsd_rows(s, t, lab, soft_scale, dz, soft_rows[start:end], mode_beta, ignore_index, temperature,
+                         normalize=True)
             if not with_grad:
                 return None
+            if direct:
+                return dz
             if hard:
                 s += h_buf[:n]
-            return s if sw.dtype == torch.float32 else s.to(sw.dtype)
+            return s if sw.dtype == torch.float32 else gradient_view(t, sw.dtype).copy_(s)
 
         chunk_loop(sh, sw, sb, chunks, visit, dx=dx, dw=dw, db=db, logits_dtype=torch.float32)
-    elif dx is not None:
-        dx.zero_()
+    else:
+        for t in (dx, dw):
+            if t is not None:
+                t.zero_()
     soft = soft_rows.sum() * inv[0]
     hard_loss = hard_rows.sum() * inv[0]
     loss = weight_soft_loss * soft + weight_hard_loss * hard_loss

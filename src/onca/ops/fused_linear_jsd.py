@@ -40,13 +40,14 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, free_memory
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._matmul import has_fp32_out_dtype
+from onca.ops._matmul import accumulate_dw, has_fp32_out_dtype
 from onca.ops._validate import autocast_enabled, check_float, check_same_device, check_tensor
 from onca.ops.jsd import (
     check_beta,
     check_ignore_index,
     check_labels,
     check_temperature,
+    gradient_view,
     jsd_rows,
     plan_divergence,
     token_scale,
@@ -105,28 +106,6 @@ def _logits(h: torch.Tensor, w: torch.Tensor, w_up: torch.Tensor | None, out: to
         out.copy_(torch.mm(h, w.t()))
 
 
-def _accumulate_dw(dw: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
-    """``dw += dz.T @ h`` with ``dw`` in fp32 (or the weight's dtype when that is fp32)."""
-    if dz.dtype == dw.dtype:
-        dw.addmm_(dz.t(), h)
-        return
-    if has_fp32_out_dtype(dw.device.type, dz.dtype):
-        torch.addmm(dw, dz.t(), h, out_dtype=torch.float32, out=dw)
-        return
-    if _fp32_matmul_operands(dw.device):
-        dw.addmm_(dz.t().float(), h.float())
-    else:
-        dw.add_(torch.mm(dz.t(), h))
-
-
-def _gradient_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The ``(n, V)`` gradient in ``dtype`` that the kernel writes over the fp32 logits ``(n, V)``:
-    the logits themselves for fp32, else the first half of each fp32 row's bytes."""
-    if dtype == torch.float32:
-        return logits
-    return logits.view(dtype)[:, : logits.shape[1]]
-
-
 @custom_op("fused_linear_jsd_forward")
 def fused_linear_jsd_forward(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
                              teacher_weight: Tensor, labels: Tensor | None, beta: float, ignore_index: int,
@@ -143,12 +122,14 @@ def fused_linear_jsd_forward(student_hidden: Tensor, student_weight: Tensor, tea
     dh = sh.new_empty((tokens, hidden) if need_hidden_grad else (0,))
     dw = None
     if need_weight_grad:
-        dw = torch.zeros((vocab, hidden), dtype=torch.float32, device=device)
+        dw = torch.empty((vocab, hidden), dtype=torch.float32, device=device)  # the first chunk writes it
     if tokens > 0 and vocab > 0:
         _chunked_forward(sh, sw, th, tw, labels, beta, ignore_index, temperature, scale, row_loss,
                          dh if need_hidden_grad else None, dw)
     else:  # a sum over nothing: a zero loss and zero gradients
         dh.zero_()
+        if dw is not None:
+            dw.zero_()
     loss = (row_loss.sum() * scale[0]).to(sh.dtype)
     return loss, dh, dw.to(sw.dtype) if dw is not None else sw.new_empty(0)
 
@@ -178,13 +159,13 @@ def _chunked_forward(sh, sw, th, tw, labels, beta, ignore_index, temperature, sc
         s_logits, t_logits = s_buf[: end - start], t_buf[: end - start]
         _logits(sh[start:end], sw, sw_up, s_logits)
         _logits(th[start:end], tw, tw_up, t_logits)
-        dz = _gradient_view(s_logits, sw.dtype) if with_grad else None
+        dz = gradient_view(s_logits, sw.dtype) if with_grad else None
         jsd_rows(s_logits, t_logits, labels[start:end] if labels is not None else None, scale, dz,
                  row_loss[start:end], beta, ignore_index, temperature, normalize=True)
         if dh is not None:
             torch.mm(dz, sw, out=dh[start:end])
         if dw is not None:
-            _accumulate_dw(dw, dz, sh[start:end])
+            accumulate_dw(dw, dz, sh[start:end], first=index == 0)
 
 
 # ---------------------------------------------------------------------------------------- autograd

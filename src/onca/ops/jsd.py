@@ -68,7 +68,7 @@ from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradient
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = [
-    "jsd", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "token_scale", "check_beta",
+    "jsd", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "gradient_view", "token_scale", "check_beta",
     "check_temperature", "check_ignore_index", "check_labels",
 ]
 
@@ -310,6 +310,17 @@ def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, 
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
+
+
+def gradient_view(logits: Tensor, dtype: torch.dtype) -> Tensor:
+    """Where :func:`jsd_rows` may write a ``dtype`` gradient over the fp32 ``(n, V)`` ``logits`` it
+    reads (``dx`` aliasing ``x2d``): the logits themselves for fp32, else the first half of each fp32
+    row's bytes, row stride unchanged. Safe because each row block is one program's and every tile
+    of a row is read before the tile holding its bytes' first half is written (the grad pass walks the
+    tiles in order, and a 16-bit tile ``k`` lies in the fp32 tiles ``<= k``)."""
+    if dtype == torch.float32:
+        return logits
+    return logits.view(dtype)[:, : logits.shape[1]]
 
 
 def token_scale(labels, rows: int, ignore_index: int, reduction: str, device) -> torch.Tensor:

@@ -63,7 +63,8 @@ from onca.ops.cross_entropy import (
     scale_forward_gradient,
     target_stats,
 )
-from onca.ops.fused_linear_cross_entropy import _accumulate_dw, _grad_buffers, _plan_for
+from onca.ops._matmul import accumulate_dw
+from onca.ops.fused_linear_cross_entropy import _grad_buffers, _plan_for
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy", "plan",
@@ -269,7 +270,7 @@ def vocab_parallel_fused_linear_cross_entropy_forward(
             if dx is not None:
                 torch.mm(logits, weight, out=dx[start:end])
             if dw is not None:
-                _accumulate_dw(dw, logits, h, first=index == 0)
+                accumulate_dw(dw, logits, h, first=index == 0)
             if db is not None:
                 db += logits.sum(dim=0, dtype=torch.float32)
     else:
