@@ -110,6 +110,20 @@ def test_chunking_does_not_change_the_result(device, chunk_tokens):
     assert all(torch.equal(a, b) for a, b in zip(many, again)), "chunked dW must be deterministic"
 
 
+def test_forward_gradients_become_the_grads_without_a_copy(device):
+    """The student's gradients computed in the forward pass become its ``.grad``, rescaled in place
+    by the incoming gradient: no second head-sized gradient at the backward's peak."""
+    sh, sw, th, tw, labels = make_inputs(*BASE, torch.bfloat16, device, ignore_every=3)
+    shk, swk = leaf(sh), leaf(sw)
+    loss = op.fused_linear_jsd(shk, swk, th, tw, labels)
+    written = [g.data_ptr() for g in loss.grad_fn.grads.tensors if g is not None]
+    (3 * loss).backward()
+    assert [shk.grad.data_ptr(), swk.grad.data_ptr()] == written
+    sh2, sw2 = leaf(sh), leaf(sw)
+    op.fused_linear_jsd(sh2, sw2, th, tw, labels).backward()
+    assert_close(swk.grad, 3 * sw2.grad, torch.bfloat16, "dstudent_weight x3")
+
+
 def test_backward_fills_no_zeros_for_the_returned_gradients(device):
     """dW and dX come out of the forward op as outputs taking no gradient: no zero fill of their
     size in backward (a head-sized buffer)."""

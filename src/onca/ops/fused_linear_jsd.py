@@ -42,6 +42,7 @@ from onca.device import DeviceProfile, free_memory
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._matmul import accumulate_dw, has_fp32_out_dtype
 from onca.ops._validate import autocast_enabled, check_float, check_same_device, check_tensor
+from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.ops.jsd import (
     check_beta,
     check_ignore_index,
@@ -172,20 +173,21 @@ def _chunked_forward(sh, sw, th, tw, labels, beta, ignore_index, temperature, sc
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves the gradients the forward op computed, and nothing else."""
+    """Keeps the gradients the forward op computed (rescaled in place by the backward on the eager
+    route, as fused linear cross entropy's: no second head-sized gradient at the backward's peak),
+    and nothing else."""
     *_, need_hidden_grad, need_weight_grad = inputs
-    _loss, dh, dw = output
+    loss, dh, dw = output
     ctx.mark_non_differentiable(dh, dw)
-    ctx.computed = (need_hidden_grad, need_weight_grad)
-    ctx.save_for_backward(dh, dw)
+    keep_forward_gradients(ctx, [dh if need_hidden_grad else None, dw if need_weight_grad else None], inputs[0],
+                           loss)
 
 
 def _backward(ctx, grad, _grad_dh, _grad_dw):
-    # Scaled on the device by the incoming gradient (no host read of its value). A gradient the
-    # forward op was not asked for is None (the teacher's always is).
-    grads = [g * grad.to(g.dtype) if computed and needed else None
-             for g, computed, needed in zip(ctx.saved_tensors, ctx.computed, ctx.needs_input_grad)]
-    return (*grads, None, None, None, None, None, None, None, None, None)
+    # A gradient the forward op was not asked for is None (the teacher's always is).
+    dh, dw = take_forward_gradients(ctx, grad)
+    return (dh if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
+            None, None, None, None, None, None, None, None, None, None, None)
 
 
 register_autograd(fused_linear_jsd_forward, _backward, setup_context=_setup_context)

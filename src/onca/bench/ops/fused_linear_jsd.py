@@ -74,9 +74,9 @@ def memory_estimate(p, dtype, provider, mode):
         from onca.ops.fused_linear_jsd import MIN_CHUNK_TOKENS
 
         # fp32 dW accumulator and two (chunk, V) fp32 logits buffers (the chunk from the op's policy);
-        # the backward pass scales the saved gradients into new ones.
+        # the backward rescales the forward's gradients in place.
         chunk = min(t, max(h // 4, MIN_CHUNK_TOKENS))
-        extra = grads * (1 if mode == "forward" else 2) + 4 * v * h + 2 * chunk * v * 4
+        extra = grads + 4 * v * h + 2 * chunk * v * 4
     elif provider == "liger":
         # chunks of about tokens * hidden / vocab rows; ~7 fp32 (chunk, V) buffers; fp32 dW.
         chunk = min(t, max(1, t * h // v))
