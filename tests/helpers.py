@@ -7,6 +7,8 @@ import os
 import torch
 
 SCALE = os.environ.get("ONCA_TEST_SCALE", "cpu")
+# Set by ``python -m tools.gpu_tests --memcheck``: the run is under compute-sanitizer's memcheck.
+MEMCHECK = os.environ.get("ONCA_MEMCHECK") == "1"
 if SCALE not in ("cpu", "gpu"):
     raise ValueError(f"ONCA_TEST_SCALE must be 'cpu' or 'gpu', got {SCALE!r}")
 

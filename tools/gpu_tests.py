@@ -74,7 +74,8 @@ KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12", "13", "15")
 
 
 def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:
-    env = dict(os.environ, ONCA_TEST_SCALE="cpu" if memcheck else "gpu", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, ONCA_TEST_SCALE="cpu" if memcheck else "gpu", PYTHONUNBUFFERED="1",
+               ONCA_MEMCHECK="1" if memcheck else "0")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *SHARDS[shard], *pytest_args]
     if memcheck:
         sanitizer = shutil.which("compute-sanitizer") or "compute-sanitizer"
