@@ -70,7 +70,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, accelerator
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
-from onca.ops._matmul import accumulate_dw, accumulate_mm, has_fp32_out_dtype
+from onca.ops._matmul import accumulate_dw, accumulate_mm
 from onca.ops._rows import as_rows
 from onca.ops._validate import (
     autocast_enabled,
@@ -88,8 +88,6 @@ from onca.tiling import ChunkPlan, RowPlan, plan_rows, plan_token_chunks
 __all__ = [
     "TILES",
     "WIDE_TILES",
-    "accumulate_dw",
-    "accumulate_mm",
     "chunk_loop",
     "chunk_plan",
     "chunked_logprobs",
@@ -338,16 +336,9 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
     """``out = h @ weight.T + bias`` (``out`` a scratch slice: the input dtype, or fp32 for
     bf16/fp16 operands, then without rounding the product where torch can)."""
-    if out.dtype == h.dtype:
-        if bias is None:
-            return torch.mm(h, weight.t(), out=out)
+    if out.dtype == h.dtype and bias is not None:
         return torch.addmm(bias, h, weight.t(), out=out)
-    if has_fp32_out_dtype(h.device.type, h.dtype):
-        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
-    elif h.device.type == "cpu":
-        torch.mm(h.float(), weight.t().float(), out=out)
-    else:
-        out.copy_(torch.mm(h, weight.t()))
+    accumulate_mm(out, h, weight.t(), first=True)
     if bias is not None:
         out += bias
     return out

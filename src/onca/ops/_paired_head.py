@@ -34,8 +34,9 @@ import contextlib
 import torch
 from torch import Tensor
 
-from onca.ops._chunked_head import GRAD_TILE_TOKENS, accumulate_dw, head_logits, launch_grad, launch_stats
+from onca.ops._chunked_head import GRAD_TILE_TOKENS, head_logits, launch_grad, launch_stats
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._matmul import accumulate_dw
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 

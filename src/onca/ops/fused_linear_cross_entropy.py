@@ -61,7 +61,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator, free_memory
 from onca.ops._contract import custom_op, register_autograd, tracing
-from onca.ops._matmul import accumulate_dw, has_fp32_out_dtype
+from onca.ops._matmul import accumulate_dw
 from onca.ops._rows import as_rows
 from onca.ops._validate import autocast_enabled, check_bool, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import (

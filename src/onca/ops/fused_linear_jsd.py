@@ -40,7 +40,8 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, free_memory
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._matmul import accumulate_dw, has_fp32_out_dtype
+from onca.ops._chunked_head import head_logits
+from onca.ops._matmul import accumulate_dw
 from onca.ops._validate import autocast_enabled, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.ops.jsd import (
@@ -83,28 +84,6 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     chunks = chunk_plan(tokens, vocab, hidden)
     divergence = plan_divergence(chunks.chunk, vocab, torch.float32, True, profile)
     return {"chunks": chunks, "divergence": divergence}
-
-
-# ------------------------------------------------------------------------------------ the matmuls
-
-def _fp32_matmul_operands(device) -> bool:
-    """Whether the fallback for a low-precision fp32-output matmul upcasts the operands (exact, as
-    the fp32-output matmul: used on the CPU) rather than rounding the product first."""
-    return device.type == "cpu"
-
-
-def _logits(h: torch.Tensor, w: torch.Tensor, w_up: torch.Tensor | None, out: torch.Tensor) -> None:
-    """``out = h @ w.T`` in fp32 (``out`` is a fp32 buffer)."""
-    if h.dtype == torch.float32:
-        torch.mm(h, w.t(), out=out)
-        return
-    if has_fp32_out_dtype(h.device.type, h.dtype):
-        torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
-        return
-    if w_up is not None:
-        torch.mm(h.float(), w_up.t(), out=out)
-    else:
-        out.copy_(torch.mm(h, w.t()))
 
 
 @custom_op("fused_linear_jsd_forward")
@@ -151,15 +130,12 @@ def _chunked_forward(sh, sw, th, tw, labels, beta, ignore_index, temperature, sc
     chunks = chunk_plan(tokens, vocab, hidden, device)
     s_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device)
     t_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device)
-    upcast = _fp32_matmul_operands(device)
-    sw_up = sw.float() if upcast and sw.dtype != torch.float32 else None
-    tw_up = tw.float() if upcast and tw.dtype != torch.float32 else None
     with_grad = dh is not None or dw is not None
     for index in range(chunks.n_chunks):
         start, end = chunks.bounds(index)
         s_logits, t_logits = s_buf[: end - start], t_buf[: end - start]
-        _logits(sh[start:end], sw, sw_up, s_logits)
-        _logits(th[start:end], tw, tw_up, t_logits)
+        head_logits(sh[start:end], sw, None, s_logits)  # fp32 logits of the 16-bit heads, unrounded
+        head_logits(th[start:end], tw, None, t_logits)
         dz = gradient_view(s_logits, sw.dtype) if with_grad else None
         jsd_rows(s_logits, t_logits, labels[start:end] if labels is not None else None, scale, dz,
                  row_loss[start:end], beta, ignore_index, temperature, normalize=True)
