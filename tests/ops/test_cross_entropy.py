@@ -651,3 +651,20 @@ def test_overwrite_logits_rows_with_unit_gradient(device):
     g[::3] = 2.5
     loss.backward(g)
     assert_close(base.grad, g[:, None] * ref.grad, torch.float32, "dlogits")
+
+
+def test_registered_rescale_never_changes_its_input(device):
+    """The registered ``scale_forward_gradient`` (the traced routes' rescale) declares no mutation
+    and makes none, whatever the factor; the eager route's in-place rescale is a plain launch
+    (``rescale_in_place``) that leaves rows with factor 1 as they are."""
+    from onca.ops.cross_entropy import rescale_in_place, scale_forward_gradient
+
+    assert not torch.ops.onca.scale_forward_gradient.default._schema.is_mutable
+    grad = torch.randn(5, 7, device=device)
+    before = grad.clone()
+    three, two = torch.full((5,), 3.0, device=device), torch.full((5,), 2.0, device=device)
+    out = scale_forward_gradient(grad, three, two)
+    torch.testing.assert_close(out, before * 1.5)
+    assert torch.equal(grad, before)
+    rescale_in_place(grad, torch.tensor([1.0, 2.0, 1.0, 0.5, 1.0], device=device))
+    torch.testing.assert_close(grad, before * torch.tensor([1.0, 2.0, 1.0, 0.5, 1.0], device=device)[:, None])

@@ -698,16 +698,12 @@ def _(grad_loss, logits, target, lse, weight, ignore_index, label_smoothing, lse
     return torch.empty_like(logits)
 
 
-@custom_op("scale_forward_gradient")
-def scale_forward_gradient(grad: Tensor, grad_output: Tensor, applied: Tensor | None,
-                           overwrite_grad: bool) -> Tensor:
-    """A gradient the forward pass computed for a unit incoming gradient, times the loss's incoming
-    gradient ``grad_output`` (0-d, or one per row of ``grad``), divided by ``applied`` (the incoming
-    gradient already folded in by an earlier backward; None: 1). ``overwrite_grad`` (eager route only)
-    rescales ``grad`` itself and skips the rows whose factor is 1."""
-    out = grad if overwrite_grad else torch.empty_like(grad)
+def _launch_rescale(grad: Tensor, out: Tensor, grad_output: Tensor, applied: Tensor | None,
+                    skip_unchanged: bool) -> None:
+    """``out = grad * grad_output / applied`` by rows (``out`` may be ``grad`` itself; then
+    ``skip_unchanged`` leaves the rows whose factor is 1 untouched)."""
     if grad.numel() == 0:
-        return out
+        return
     x2d = grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1)
     o2d = out.view(x2d.shape)
     g = grad_output.reshape(-1).contiguous()  # an expanded gradient (stride 0) read like ``applied``
@@ -716,15 +712,32 @@ def scale_forward_gradient(grad: Tensor, grad_output: Tensor, applied: Tensor | 
     _rescale_kernel[(p.grid,)](
         x2d, o2d, g, applied if applied is not None else g,
         rows, cols, x2d.stride(0), o2d.stride(0), 0 if grad_output.dim() == 0 else 1,
-        HAS_APPLIED=applied is not None, SKIP_UNCHANGED=overwrite_grad,
+        HAS_APPLIED=applied is not None, SKIP_UNCHANGED=skip_unchanged,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
+
+
+@custom_op("scale_forward_gradient")
+def scale_forward_gradient(grad: Tensor, grad_output: Tensor, applied: Tensor | None) -> Tensor:
+    """A gradient the forward pass computed for a unit incoming gradient, times the loss's incoming
+    gradient ``grad_output`` (0-d, or one per row of ``grad``), divided by ``applied`` (the incoming
+    gradient already folded in by an earlier backward; None: 1), into a new tensor. (The eager
+    route's first backward rescales in place instead: :func:`rescale_in_place`.)"""
+    out = torch.empty_like(grad)
+    _launch_rescale(grad, out, grad_output, applied, skip_unchanged=False)
     return out
 
 
 @scale_forward_gradient.register_fake
-def _(grad, grad_output, applied, overwrite_grad):
+def _(grad, grad_output, applied):
     return torch.empty_like(grad)
+
+
+def rescale_in_place(grad: Tensor, grad_output: Tensor) -> None:
+    """``grad *= grad_output`` (0-d, or one per row), skipping the rows whose factor is 1: the eager
+    route only, a plain launch and no registered op (a registered op would have to declare the
+    mutation, and tracing never takes this path)."""
+    _launch_rescale(grad, grad, grad_output, None, skip_unchanged=True)
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -761,11 +774,11 @@ class ForwardGradients:
                 "not supported"
             )
         if self.versions is not None:
-            return tuple(scale_forward_gradient(t, grad_output, self.applied, False) if t is not None else None
+            return tuple(scale_forward_gradient(t, grad_output, self.applied) if t is not None else None
                          for t in self.tensors)
         for t in self.tensors:
             if t is not None:
-                scale_forward_gradient(t, grad_output, None, True)
+                rescale_in_place(t, grad_output)
         # A copy, not the caller's tensor: it may be changed before a second backward.
         self.applied = grad_output.reshape(-1).to(torch.float32, copy=True).contiguous()
         self.versions = [t._version if t is not None else None for t in self.tensors]
@@ -790,7 +803,7 @@ def take_forward_gradients(ctx, grad_output: Tensor) -> tuple:
     """The gradients :func:`keep_forward_gradients` kept, times the loss's incoming gradient."""
     if ctx.forward_gradients_eager:
         return ctx.grads.take(grad_output)
-    return tuple(scale_forward_gradient(t, grad_output, None, False) if t is not None else None
+    return tuple(scale_forward_gradient(t, grad_output, None) if t is not None else None
                  for t in ctx.saved_tensors)
 
 
@@ -818,7 +831,7 @@ def _backward(ctx, grad_loss, *_):
     elif ctx.eager:
         grad, = ctx.grads.take(grad_loss)
     else:
-        grad = scale_forward_gradient(ctx.saved_tensors[0], grad_loss, None, False)
+        grad = scale_forward_gradient(ctx.saved_tensors[0], grad_loss, None)
     return (grad,) + (None,) * 10
 
 

@@ -204,7 +204,7 @@ def _backward(ctx, grad, *_):
     if ctx.eager:
         grads = ctx.grads.take(grad)
     else:
-        grads = [scale_forward_gradient(g, grad, None, False) if computed else None
+        grads = [scale_forward_gradient(g, grad, None) if computed else None
                  for g, computed in zip(ctx.saved_tensors, ctx.computed)]
     grads = [g if need else None for g, need in zip(grads, needs)]
     return (*grads,) + (None,) * 15

@@ -314,7 +314,7 @@ def _flce_backward(ctx, grad_loss, *_):
     if ctx.eager:
         grads = ctx.grads.take(grad_loss)
     else:
-        grads = [scale_forward_gradient(t, grad_loss, None, False) if need else None
+        grads = [scale_forward_gradient(t, grad_loss, None) if need else None
                  for t, need in zip(ctx.saved_tensors, ctx.needs)]
     dx, dw, db = (g if need else None for g, need in zip(grads, ctx.needs))
     return (dx, dw, None, db) + (None,) * 11
