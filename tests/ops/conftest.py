@@ -11,15 +11,17 @@ from onca.ops import _paired_head
 @pytest.fixture
 def paired_calls(monkeypatch):
     """One pair per chunk on the pair-aligned path (several chunks at CI's shapes); the list of the
-    pairs each call of a registered pair loss saw (empty: that path never ran)."""
+    pairs each chunk of that path handed its pair loss (empty: that path never ran). Only the
+    pair-aligned op's table is wrapped: the two-pass route's calls of the same losses are not
+    counted."""
     monkeypatch.setattr(_paired_head, "GRAD_TILE_TOKENS", 1)
     calls = []
 
     def counting(fn):
         return lambda sums_c, *rest: calls.append(sums_c.shape[0]) or fn(sums_c, *rest)
 
-    for name, fn in list(_paired_head.PAIR_LOSSES.items()):
-        monkeypatch.setitem(_paired_head.PAIR_LOSSES, name, counting(fn))
+    monkeypatch.setattr(_paired_head, "PAIR_LOSSES",
+                        {name: counting(fn) for name, fn in _paired_head.PAIR_LOSSES.items()})
     return calls
 
 

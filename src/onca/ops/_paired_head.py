@@ -40,13 +40,14 @@ from onca.ops._matmul import accumulate_dw
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 
-__all__ = ["pair_chunks", "paired_loss", "register_pair_loss", "use_paired_chunks"]
+__all__ = ["PAIR_LOSSES", "pair_chunks", "paired_loss", "register_pair_loss", "stack_extras", "use_paired_chunks"]
 
 # name -> fn(chosen_sums, rejected_sums, chosen_counts, rejected_counts, extras, loss_type, params)
 # (the counts of non-ignored labels, 0 for a sequence with none) returning (per-pair losses, their
-# derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair of the chunk. In closed form: inside a custom op autograd is off (the dispatcher
-# runs it below autograd) and torch.func fails under a dispatch mode (a FLOP counter, selective
-# activation checkpointing).
+# derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair of the chunk. In closed
+# form: inside a custom op autograd is off (the dispatcher runs it below autograd) and torch.func
+# fails under a dispatch mode (a FLOP counter, selective activation checkpointing). The losses are
+# differentiable torch: the two-pass route takes their gradient from autograd.
 PAIR_LOSSES: dict = {}
 # The largest scratch of one pair's logits the pair-aligned path takes (a fixed bound, not the free
 # memory: the choice is made where torch.compile traces, and must not depend on the moment): 2 GiB
@@ -175,7 +176,8 @@ def _backward(ctx, grad_loss, *_):
 register_autograd(paired_loss_forward, _backward, setup_context=_setup_context)
 
 
-def _stack_extras(extras, hidden: Tensor) -> Tensor:
+def stack_extras(extras, hidden: Tensor) -> Tensor:
+    """The per-pair tensors handed to a pair loss, detached, as one ``(E, B)`` fp32 tensor."""
     if not extras:
         return torch.zeros((0, hidden.shape[0] // 2), dtype=torch.float32, device=hidden.device)
     return torch.stack([e.detach().to(torch.float32) for e in extras])
@@ -189,7 +191,7 @@ def paired_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Ten
     validated by the caller (:func:`onca.ops._posttrain.check_common`, ``check_paired``)."""
     grad = torch.is_grad_enabled()
     args = (hidden.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None,
-            labels.contiguous(), _stack_extras(extras, hidden), loss, loss_type,
+            labels.contiguous(), stack_extras(extras, hidden), loss, loss_type,
             [float(p) for p in params], float(nll_weight), ignore_index, chunk_pairs or 0, accum_fp32,
             grad and hidden.requires_grad, grad and weight.requires_grad,
             grad and bias is not None and bias.requires_grad)

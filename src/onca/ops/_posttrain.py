@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, validate_head
-from onca.ops._paired_head import paired_loss, use_paired_chunks
+from onca.ops._paired_head import PAIR_LOSSES, paired_loss, stack_extras, use_paired_chunks
 from onca.ops._validate import check_accum_dtype, check_bool, check_float, check_number, check_tensor
 
 __all__ = [
@@ -97,19 +97,27 @@ def policy_logps(hidden, weight, labels, bias, *, ignore_index, temperature=1.0,
 
 
 def policy_pair_logps(hidden, weight, labels, bias, extras, *, loss, loss_type, params, nll_weight, ignore_index,
-                      chunk_tokens, accum_dtype) -> tuple[Tensor | None, SequenceSums]:
-    """A paired loss's policy side: ``(loss, sums)`` on pair-aligned chunks where they apply
-    (:func:`onca.ops._paired_head.use_paired_chunks`: the fp32 loss, gradient included, and the
-    sequences' detached sums), else ``(None, per-token log-probabilities)`` from the chunk driver,
-    from which the caller computes the loss. ``loss``, ``loss_type``, ``params`` and ``extras``
-    name the per-pair function registered with :func:`onca.ops._paired_head.register_pair_loss`."""
+                      chunk_tokens, accum_dtype) -> tuple[Tensor, SequenceLogps | SequenceSums]:
+    """A paired loss: ``(loss, log-probabilities)`` with the fp32 scalar ``mean(per-pair loss) +
+    nll_weight * chosen NLL``, the per-pair function the one registered as ``loss``
+    (:func:`onca.ops._paired_head.register_pair_loss`, called with ``extras``, ``loss_type`` and
+    ``params``). On pair-aligned chunks where they apply (:func:`onca.ops._paired_head.use_paired_chunks`:
+    gradient in the forward pass, the sequences' detached sums returned); else on the chunk driver,
+    autograd through the per-pair losses (per-token log-probabilities returned)."""
+    params = [float(p) for p in params]
     if use_paired_chunks(hidden, weight, bias, chunk_tokens):
         value, sums = paired_loss(hidden, weight, bias, labels, extras, loss=loss, loss_type=loss_type,
                                   params=params, nll_weight=nll_weight, ignore_index=ignore_index,
                                   accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))
         return value, SequenceSums(sums, labels, ignore_index)
-    return None, policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                              accum_dtype=accum_dtype)
+    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+                         accum_dtype=accum_dtype)
+    losses = PAIR_LOSSES[loss](*split_pairs(logps.sums), *split_pairs(logps.counts), stack_extras(extras, hidden),
+                               loss_type, params)[0]
+    value = losses.mean()
+    if nll_weight:
+        value = value + nll_weight * chosen_nll(logps)
+    return value, logps
 
 
 def reference_logps(ref_hidden, ref_weight, labels, ref_bias, *, ignore_index, temperature=1.0,

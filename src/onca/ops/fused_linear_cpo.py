@@ -91,14 +91,10 @@ def cpo_loss(hidden, weight, labels, bias, *, beta, loss_type, gamma, label_smoo
     loss, logps = policy_pair_logps(hidden, weight, labels, bias, [], loss="cpo", loss_type=loss_type,
                                     params=[beta, gamma, label_smoothing], nll_weight=nll_weight,
                                     ignore_index=ignore_index, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
-    pi_c, pi_r = split_pairs(logps.means if _averaged(loss_type) else logps.sums)
-    nll = chosen_nll(logps) if (nll_weight or return_aux) else None
-    if loss is None:
-        loss = cpo_losses(loss_type, beta, gamma, label_smoothing, pi_c - pi_r).mean()
-        if nll_weight:
-            loss = loss + nll_weight * nll
     if not return_aux:
         return loss
+    pi_c, pi_r = split_pairs(logps.means if _averaged(loss_type) else logps.sums)
+    nll = chosen_nll(logps)
     chosen_rewards, rejected_rewards = beta * pi_c.detach(), beta * pi_r.detach()
     return loss, {
         "chosen_logps": pi_c.detach(), "rejected_logps": pi_r.detach(),

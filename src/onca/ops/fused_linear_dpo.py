@@ -223,16 +223,10 @@ def fused_linear_dpo(
     loss, logps = policy_pair_logps(hidden, weight, labels, bias, [ref_c, ref_r], loss="dpo", loss_type=loss_type,
                                     params=[beta, label_smoothing], nll_weight=nll_weight, ignore_index=ignore_index,
                                     chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
-    pi_c, pi_r = split_pairs(logps.sums)
-    n_c, n_r = (n.clamp(min=1.0) for n in split_pairs(logps.counts))
-    chosen_lr, rejected_lr = pi_c - ref_c, pi_r - ref_r
-    nll = chosen_nll(logps) if (nll_weight or return_aux) else None
-    if loss is None:
-        loss = dpo_losses(loss_type, float(beta), float(label_smoothing), chosen_lr, rejected_lr, n_c, n_r).mean()
-        if nll_weight:
-            loss = loss + nll_weight * nll
     if not return_aux:
         return loss
+    pi_c, pi_r = split_pairs(logps.sums)
+    chosen_lr, rejected_lr = pi_c - ref_c, pi_r - ref_r
     chosen_rewards, rejected_rewards = beta * chosen_lr.detach(), beta * rejected_lr.detach()
     aux = {
         "chosen_logps": pi_c.detach(), "rejected_logps": pi_r.detach(),
@@ -240,6 +234,6 @@ def fused_linear_dpo(
         "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
         "reward_accuracies": (chosen_rewards > rejected_rewards).to(torch.float32),
         "reward_margins": chosen_rewards - rejected_rewards,
-        "nll_loss": nll.detach(),
+        "nll_loss": chosen_nll(logps).detach(),
     }
     return loss, aux

@@ -97,16 +97,12 @@ def fused_linear_orpo(
     loss, logps = policy_pair_logps(hidden, weight, labels, bias, [], loss="orpo", loss_type="", params=[beta],
                                     nll_weight=nll_weight, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
                                     accum_dtype=accum_dtype)
+    if not return_aux:
+        return loss
     avg_c, avg_r = split_pairs(logps.means)
     n_c, n_r = split_pairs(logps.counts)
     log_odds, ratio = odds_ratios(avg_c, avg_r, (n_c > 0) & (n_r > 0))
-    nll = chosen_nll(logps) if (nll_weight or return_aux) else None
-    if loss is None:
-        loss = -beta * ratio.mean()
-        if nll_weight:
-            loss = loss + nll_weight * nll
-    if not return_aux:
-        return loss
+    nll = chosen_nll(logps)
     chosen_rewards, rejected_rewards = beta * avg_c.detach(), beta * avg_r.detach()
     return loss, {
         "chosen_logps": avg_c.detach(), "rejected_logps": avg_r.detach(),
