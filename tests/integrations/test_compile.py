@@ -28,6 +28,11 @@ KERNEL_OPS = {
 }
 
 
+# Every kernel Onca's, compiled too: the norms and MLPs default to the model's own code under
+# torch.compile (``onca.apply``'s "eager" setting), and these tests trace Onca's ops in every family.
+EVERY_KERNEL = {"rms_norm": True, "mlp": True}
+
+
 def _model(model_type, device, dtype=torch.float32, **config):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **config))
@@ -102,7 +107,7 @@ def _grad_tolerance(device) -> dict:
 def test_patched_family_compiles_fullgraph(model_type, device):
     if not FAMILIES[model_type].available():
         pytest.skip(f"the installed transformers has no {model_type}")
-    model = onca.apply(_model(model_type, device))
+    model = onca.apply(_model(model_type, device), **EVERY_KERNEL)
     if model_type in NO_ROUTER_LOGITS:
         model.config.output_router_logits = False
     tokens = _tokens(model, device)
@@ -124,6 +129,40 @@ def test_patched_family_compiles_fullgraph(model_type, device):
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "qwen3_moe"])
+def test_norms_and_mlp_are_the_models_own_code_under_compile(model_type, device, monkeypatch):
+    """By default (``"eager"``) the patched norms and MLP run Onca's kernels eagerly and the
+    model's own code in the compiled graph, beside Onca's RoPE and fused loss; that graph computes
+    the eager loss and gradients (up to the norms' rounding)."""
+    from onca.ops._contract import Op
+
+    model = onca.apply(_model(model_type, device))
+    if model_type in NO_ROUTER_LOGITS:
+        model.config.output_router_logits = False
+    tokens = _tokens(model, device)
+
+    def step(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    eager_ops = set()
+    with monkeypatch.context() as patch:
+        call = Op.__call__
+        patch.setattr(Op, "__call__", lambda op, *args: eager_ops.add(op.name) or call(op, *args))
+        expected_loss, expected_grads = _loss_and_grads(model, step, tokens)
+    assert KERNEL_OPS["rms_norm"] & eager_ops and KERNEL_OPS["mlp"] & eager_ops, sorted(eager_ops)
+    torch._dynamo.reset()
+    recorder = _GraphRecorder()
+    loss, grads = _loss_and_grads(model, torch.compile(step, backend=recorder, fullgraph=True), tokens)
+
+    assert recorder.graphs == 1
+    assert not (KERNEL_OPS["rms_norm"] | KERNEL_OPS["mlp"]) & recorder.onca_ops, sorted(recorder.onca_ops)
+    assert KERNEL_OPS["rope"] & recorder.onca_ops and KERNEL_OPS["fused_linear_cross_entropy"] & recorder.onca_ops
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -195,7 +234,7 @@ def test_patched_multimodal_family_adds_no_graph_break(model_type, device, monke
     hf_graphs = _GraphRecorder()
     torch._dynamo.reset()
     torch.compile(step, backend=hf_graphs)(None)
-    onca.apply(model)
+    onca.apply(model, **EVERY_KERNEL)
     eager_ops = set()
     with monkeypatch.context() as patch:  # the ops the eager forward calls
         call = Op.__call__

@@ -12,6 +12,8 @@ again against the unpatched model run in float64 (see the test's docstring).
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 
 import pytest
@@ -285,4 +287,7 @@ def test_compare_reports_the_kernels_that_ran(device):
     assert all(r.ok for r in results), [r.error for r in results]
     onca_run = results[1]
     assert onca_run.kernels["rms_norm"] > 0 and onca_run.kernels["fused_linear_cross_entropy"] == 1
-    assert "Onca kernels in the patched model: rms_norm x" in compare.report(results, settings, config)
+    report = compare.report(results, settings, config)
+    assert "Onca kernels in the patched model: rms_norm x" in report and "inductor" not in report
+    compiled = compare.report(results, dataclasses.replace(settings, compile=True), config)
+    assert "(compiled, mlp, rms_norm run as the model's own code for inductor to fuse" in compiled

@@ -53,14 +53,14 @@ def test_switches_turn_kernels_off():
         onca.apply(_model("llama"), swiglu=False)
 
 
-@pytest.mark.parametrize("value", ["false", 0, None])
-def test_switches_must_be_booleans(value):
+@pytest.mark.parametrize("value", ["false", "Eager", 0, None])
+def test_switches_must_be_booleans_or_eager(value):
     model = _model("llama")
     modeling = family_of("llama").modeling()
     norm_forward, rope = modeling.LlamaRMSNorm.forward, modeling.apply_rotary_pos_emb
-    with pytest.raises(TypeError, match="rms_norm must be a bool"):
+    with pytest.raises(TypeError, match='rms_norm must be True, False or "eager"'):
         onca.apply(model, rms_norm=value)
-    with pytest.raises(TypeError, match="mlp must be a bool"):
+    with pytest.raises(TypeError, match='mlp must be True, False or "eager"'):
         onca.apply_to("llama", mlp=value)
     assert _patched_forwards(model) == [] and not hasattr(model, "_onca_kernels")
     assert modeling.LlamaRMSNorm.forward is norm_forward and modeling.apply_rotary_pos_emb is rope
@@ -280,3 +280,41 @@ def test_router_loss_is_added_when_the_original_adds_it():
         switch = _router_loss_switch(forward)
         assert switch(top, text, None) is unset, forward.__name__
         assert switch(top, text, True) is True and switch(top, text, False) is False, forward.__name__
+
+
+@pytest.mark.parametrize("route", ["apply", "apply_to"])
+def test_eager_setting_runs_the_models_own_code_while_compiling(route, monkeypatch):
+    """``"eager"`` (the norms' and MLP's default): Onca's kernel outside torch.compile, the class's
+    own forward while Dynamo traces, for the class-level patch too; True keeps Onca's kernel."""
+    from onca.ops._contract import Op
+
+    modeling = family_of("llama").modeling()
+    original = modeling.LlamaRMSNorm.forward
+    model = _model("llama")
+    norm = model.model.norm
+    torch.nn.init.uniform_(norm.weight)
+    x = torch.randn(3, 64)
+    expected = original(norm, x)
+    ran = []
+    monkeypatch.setattr(Op, "__call__", functools.partialmethod(
+        lambda op, call, *args: ran.append(op.name) or call(op, *args), Op.__call__))
+    if route == "apply":
+        onca.apply(model)
+    else:
+        onca.apply_to("llama")
+        norm = modeling.LlamaRMSNorm(64, eps=norm.variance_epsilon)
+        norm.weight.data.copy_(model.model.norm.weight)
+    try:
+        norm(x)
+        assert ran == ["rms_norm_forward"]
+        with monkeypatch.context() as compiling:
+            compiling.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert torch.equal(norm(x), expected)  # the class's own forward, bit for bit
+            assert ran == ["rms_norm_forward"]
+            if route == "apply":  # another setting: unapply first (a second apply leaves a patch as it is)
+                onca.apply(onca.unapply(model), rms_norm=True)
+                norm(x)
+                assert ran == ["rms_norm_forward"] * 2
+    finally:
+        onca.unapply(model) if route == "apply" else onca.unapply_to("llama")
+    assert modeling.LlamaRMSNorm.forward is original

@@ -340,6 +340,13 @@ def report(results: list[RunResult], settings: Settings, config) -> str:
     if onca_run is not None:
         ran = ", ".join(f"{name} x{n}" for name, n in onca_run.kernels.items()) or "none"
         lines.append(f"Onca kernels in the patched model: {ran}")
+        if settings.compile:
+            from onca.integrations.transformers.patch import EAGER_BY_DEFAULT
+
+            handed = ", ".join(sorted(EAGER_BY_DEFAULT & set(onca_run.kernels)))
+            if handed:
+                lines.append(f"  (compiled, {handed} run as the model's own code for inductor to fuse: "
+                             "onca.apply's \"eager\" default)")
     if len(ok) > 1:
         worst = max(abs(a - b) for r in ok[1:] for a, b in zip(r.losses, ok[0].losses))
         lines.append(f"largest loss difference from {ok[0].variant}: {worst:.2e}")

@@ -46,6 +46,23 @@ def onca_kind(function) -> str | None:
         return None
 
 
+@functools.cache
+def eager_only(function, original):
+    """A forward (or method) that runs Onca's ``function`` except while torch.compile traces,
+    where it runs the class's ``original`` for inductor to fuse with the layers around it. Marked
+    as ``function``'s kind, so that patching and unpatching treat it as Onca's. One per pair:
+    every module of a class shares it."""
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return original(self, *args, **kwargs)
+        return function(self, *args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = getattr(function, "__name__", "forward")
+    forward.__doc__ = function.__doc__
+    return mark_onca(forward, onca_kind(function))
+
+
 # ---------------------------------------------------------------------------------------- norms
 
 
