@@ -95,8 +95,8 @@ def apply(model, **kernels) -> torch.nn.Module:
     ``ValueError`` naming it and the supported ones (``onca.supported_model_types()``); everything
     is checked before anything is patched, so an error leaves the model as it was. Patching twice
     is harmless (a second call leaves what the first patched as it is: to change a setting,
-    ``onca.unapply`` first); ``onca.unapply(model)`` restores it. ``model._onca_kernels`` counts what was
-    replaced, per kernel.
+    ``onca.unapply`` first); ``onca.unapply(model)`` restores it. ``model._onca_kernels`` counts
+    what was replaced, per kernel.
     """
     use = _selection(kernels)
     family = family_of(_model_type(model))
@@ -190,13 +190,16 @@ def _instance_patches(model, family: Family, members: list[Family], use: dict[st
         if arithmetic is not None:
             kernel = _norm_kernel(arithmetic)
             if use[kernel]:
-                patches.append(_setting(use[kernel], type(module), (module, "forward", forwards.NORM_LAYERS[arithmetic].forward)))
+                forward = forwards.NORM_LAYERS[arithmetic].forward
+                patches.append(_setting(use[kernel], type(module), (module, "forward", forward)))
                 counts[kernel] += 1
         elif use["layer_norm"] and _plain_layer_norm(module):
-            patches.append(_setting(use["layer_norm"], type(module), (module, "forward", forwards.layer_norm_forward)))
+            forward = forwards.layer_norm_forward
+            patches.append(_setting(use["layer_norm"], type(module), (module, "forward", forward)))
             counts["layer_norm"] += 1
         elif use["mlp"] and name in mlps:
-            patches.append(_setting(use["mlp"], type(module), (module, "forward", forwards.MLP_LAYERS[mlps[name]].forward)))
+            forward = forwards.MLP_LAYERS[mlps[name]].forward
+            patches.append(_setting(use["mlp"], type(module), (module, "forward", forward)))
             counts["mlp"] += 1
         elif use["mlp"] and name in experts:
             patches += [_setting(use["mlp"], type(module), (module, attr, function))
