@@ -32,8 +32,9 @@ _ROPE_USERS: dict[str, int] = {}
 # call with Python host time around it. Measured on an H100 (Qwen3-0.6B, 4 x 2048, bf16,
 # checkpointing, `python -m tools.step_kernels --compile`): Onca's RoPE and fused linear cross
 # entropy with inductor's norms and MLP step in 140.1 ms, Onca's kernels everywhere in 147.7 ms,
-# Hugging Face in 150.6 ms. RoPE and the loss stay Onca's under compile: inductor's fused rotary
-# kernels recompute cos/sin per element (13 ms per step there), and the loss never holds the logits.
+# Hugging Face in 150.6 ms. RoPE and the loss stay Onca's under compile: inductor computes the rotary
+# embedding inside the q/k norms' reduction kernels (13 ms per step there), and the fused loss halves
+# the peak memory.
 EAGER_BY_DEFAULT = frozenset({"rms_norm", "mlp"})
 
 
@@ -47,7 +48,7 @@ def _selection(kernels: dict) -> dict[str, bool | str]:
         raise TypeError(f"unknown Onca kernel switch(es) {', '.join(unknown)}; "
                         f"switches: {', '.join(KERNELS)}")
     for name, value in kernels.items():
-        if not isinstance(value, bool) and value != "eager":
+        if not (isinstance(value, bool) or (isinstance(value, str) and value == "eager")):
             raise TypeError(f'{name} must be True, False or "eager", got {type(value).__name__} {value!r}')
     return {name: kernels.get(name, "eager" if name in EAGER_BY_DEFAULT else True) for name in KERNELS}
 
@@ -190,19 +191,16 @@ def _instance_patches(model, family: Family, members: list[Family], use: dict[st
         if arithmetic is not None:
             kernel = _norm_kernel(arithmetic)
             if use[kernel]:
-                forward = forwards.NORM_LAYERS[arithmetic].forward
-                patches.append(_setting(use[kernel], type(module), (module, "forward", forward)))
+                patches.append(_setting(use[kernel], module, "forward", forwards.NORM_LAYERS[arithmetic].forward))
                 counts[kernel] += 1
         elif use["layer_norm"] and _plain_layer_norm(module):
-            forward = forwards.layer_norm_forward
-            patches.append(_setting(use["layer_norm"], type(module), (module, "forward", forward)))
+            patches.append(_setting(use["layer_norm"], module, "forward", forwards.layer_norm_forward))
             counts["layer_norm"] += 1
         elif use["mlp"] and name in mlps:
-            forward = forwards.MLP_LAYERS[mlps[name]].forward
-            patches.append(_setting(use["mlp"], type(module), (module, "forward", forward)))
+            patches.append(_setting(use["mlp"], module, "forward", forwards.MLP_LAYERS[mlps[name]].forward))
             counts["mlp"] += 1
         elif use["mlp"] and name in experts:
-            patches += [_setting(use["mlp"], type(module), (module, attr, function))
+            patches += [_setting(use["mlp"], module, attr, function)
                         for attr, function in _experts_patches(module, experts[name])]
             counts["mlp"] += 1
     causal_lm = family.causal_lm_class
@@ -225,13 +223,13 @@ def _instance_patches(model, family: Family, members: list[Family], use: dict[st
     return patches, counts
 
 
-def _setting(setting: bool | str, cls: type, patch: tuple):
-    """``patch`` (owner, attribute, Onca's function) as its switch's ``setting`` asks: for
-    ``"eager"``, a function that runs Onca's outside torch.compile and, while Dynamo traces, the
-    class's own (the one Onca did not put there)."""
+def _setting(setting: bool | str, owner, attr: str, function) -> tuple:
+    """The patch ``(owner, attr, function)`` of a module or class as its switch's ``setting`` asks:
+    for ``"eager"``, ``function`` outside torch.compile and, while Dynamo traces, the class's own
+    ``attr`` (the one Onca did not put there)."""
     if setting != "eager":
-        return patch
-    owner, attr, function = patch
+        return owner, attr, function
+    cls = owner if isinstance(owner, type) else type(owner)
     return owner, attr, forwards.eager_only(function, _ORIGINALS.get((cls, attr), getattr(cls, attr)))
 
 
@@ -277,18 +275,18 @@ def apply_to(model_type: str, **kernels) -> Family:
     for class_name, arithmetic in family.norm_classes.items():
         kernel = _norm_kernel(arithmetic)
         if use[kernel]:
-            cls = _class_of(modeling, class_name)
-            patches.append(_setting(use[kernel], cls, (cls, "forward", forwards.NORM_LAYERS[arithmetic].forward)))
+            patches.append(_setting(use[kernel], _class_of(modeling, class_name), "forward",
+                                    forwards.NORM_LAYERS[arithmetic].forward))
     if use["mlp"] and family.experts:
         experts = _class_of(modeling, family.experts_class)
-        patches += [_setting(use["mlp"], experts, (experts, attr, function))
+        patches += [_setting(use["mlp"], experts, attr, function)
                     for attr, function in _experts_patches(experts, family.experts_layout)]
     if use["mlp"]:
         for class_name, kind in family.mlp_classes.items():
             if family.experts and not hasattr(modeling, class_name):
                 continue  # MoE models without dense layers
-            cls = _class_of(modeling, class_name)
-            patches.append(_setting(use["mlp"], cls, (cls, "forward", forwards.MLP_LAYERS[kind].forward)))
+            patches.append(_setting(use["mlp"], _class_of(modeling, class_name), "forward",
+                                    forwards.MLP_LAYERS[kind].forward))
     if use["fused_linear_cross_entropy"] and family.causal_lm_class is not None:
         causal_lm = _class_of(modeling, family.causal_lm_class)
         original = _ORIGINALS.get((causal_lm, "forward"), causal_lm.forward)
