@@ -30,6 +30,7 @@ import tempfile
 import torch
 
 from onca.bench import harness
+from onca.bench.spec import build
 
 FACTORIES = {"onca": "onca", "torch": "reference", "liger": "liger"}
 
@@ -54,7 +55,7 @@ def step_fn(bench, provider: str, params: dict, device: str):
     if factory is None:
         raise ValueError(f"{bench.name} has no provider {provider!r}")
     inputs = bench.make_inputs(params, torch.bfloat16 if device == "cuda" else torch.float32, device)
-    run = factory(params, inputs)
+    run = build(factory, params, inputs)
     grads = harness._outputs_and_grads(run())[1]
     leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from onca.bench import harness
+from onca.bench.spec import build
 
 TINY = 1e-9
 
@@ -32,7 +33,7 @@ def _tensors(result) -> list:
 def _run(bench, factory, params, device):
     torch.manual_seed(0)
     inputs = bench.make_inputs(params, torch.float32, device)
-    outs = _tensors(factory(params, inputs)())
+    outs = _tensors(build(factory, params, inputs)())
     leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     wanted = [t for t in outs if t.requires_grad]
     torch.autograd.backward(wanted, [torch.ones_like(t) for t in wanted])

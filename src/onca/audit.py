@@ -34,6 +34,7 @@ import torch
 
 from onca import device
 from onca.bench import harness
+from onca.bench.spec import build
 
 __all__ = ["ASCEND_TARGETS", "CUDA_TARGETS", "Launch", "collect", "compile_to_linalg", "compile_for_cuda", "main"]
 
@@ -170,7 +171,7 @@ def _recording_cuda(backend, user: str, launches: dict):
 def _run_point(bench, params, dtype) -> None:
     """The op's forward and backward, as the benchmark's ``full`` mode runs them, on meta tensors."""
     inputs = bench.make_inputs(params, dtype, "meta")
-    result = bench.onca(params, inputs)()
+    result = build(bench.onca, params, inputs)()
     items = result if isinstance(result, (tuple, list)) else (result,)
     outs = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])

@@ -12,7 +12,7 @@ import torch
 
 from onca.bench import harness, plot, records, report
 from onca.models import MODELS, get_model
-from onca.bench.spec import OpBenchmark, Sweep, d1, d2
+from onca.bench.spec import OpBenchmark, Sweep, build, d1, d2
 
 SCHEMA = {
     "kernel_name", "kernel_provider", "metric_name", "metric_unit", "gpu_name", "x_name", "x_label",
@@ -50,6 +50,36 @@ def test_percentiles():
     assert harness.percentiles([5, 1, 3, 2, 4]) == (3.0, 1.8, 4.2)
     assert harness.percentiles([7.0]) == (7.0, 7.0, 7.0)
     assert all(math.isnan(v) for v in harness.percentiles([]))
+
+
+def test_a_factory_that_takes_the_mode_is_built_for_each_mode():
+    """A factory with ``mode`` is called once per mode with that mode (the others once per point),
+    so an op can write gradients over its inputs in the full mode but not in the backward mode,
+    which backpropagates through one graph again and again."""
+    built = []
+
+    def per_mode(p, inputs, mode):
+        built.append(mode)
+        return lambda: inputs["x"] * 2.0
+
+    bench = toy_benchmark(onca=per_mode)
+    cpu_harness().run(bench, [bench.sweeps[0]])
+    # The probe's availability check, then the one point a CPU run takes.
+    assert built == ["full", *harness.MODES]
+    assert build(per_mode, {}, {"x": torch.ones(1)}, "backward") is not None and built[-1] == "backward"
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_gated_activations_write_gradients_over_their_inputs_outside_the_backward_mode(op):
+    """In the full mode Onca reuses ``a``/``b`` for their gradients, as liger-kernel and the patched
+    MLPs do (the memory comparison is like for like); the backward mode keeps them."""
+    bench = harness.load(op)
+    for mode, overwrites in (("full", True), ("backward", False)):
+        inputs = bench.make_inputs({"tokens": 4, "intermediate": 8}, torch.float32, "cpu")
+        a = inputs["a"]
+        out = build(bench.onca, {}, inputs, mode)()
+        out.backward(torch.ones_like(out))
+        assert (a.grad.data_ptr() == a.data_ptr()) is overwrites, mode
 
 
 def test_records_follow_the_schema():
@@ -253,7 +283,7 @@ def test_loss_option_sets_compute_what_their_reference_does(op, device):
         params = {**bench.probe, "options": name}
         inputs = bench.make_inputs(params, torch.float32, device)
         expected = bench.reference(params, inputs)()  # first: Onca's cross entropy overwrites the logits
-        ours = bench.onca(params, inputs)()
+        ours = build(bench.onca, params, inputs)()
         if name == "token_metrics":
             loss, accuracy, predicted = expected
             assert torch.equal(ours.predicted_tokens, predicted)
@@ -277,6 +307,26 @@ def test_below_peers_lists_the_points_where_onca_loses():
     text = below_peers(rows)
     assert "op: below the fastest peer at 1 of 2 points; peak memory at most 1.50x liger's" in text
     assert "d1 1: 0.50x torch" in text and "d1 2" not in text
+
+
+def test_below_peers_never_compares_two_gpus():
+    """Onca's H100 run is compared with the H100 peers only, and the stale H200 sweep gets its own
+    line: without the GPU in the key, the H200 torch row (the faster one) would be the H100 point's
+    fastest peer."""
+    def row(provider, value, gpu, stamp):
+        return {"kernel_name": "op", "sweep": "d1", "x_value": 1, "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": "speed", "kernel_provider": provider, "y_value_50": value,
+                "gpu_name": gpu, "timestamp": stamp}
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    rows = [row("onca", 2.0, h100, "2026-11-25"), row("liger", 3.0, h100, "2026-11-25"),
+            row("onca", 4.0, h200, "2026-11-22"), row("torch", 1.0, h200, "2026-11-22")]
+    from onca.bench.report import below_peers
+
+    lines = below_peers(rows).splitlines()
+    assert lines[0] == "op on H100 (2026-11-25): below the fastest peer at 0 of 1 points; no liger-kernel memory to compare"
+    assert lines[1].startswith("op on H200 (2026-11-22): below the fastest peer at 1 of 1 points")
+    assert lines[2] == "    d1 1: 0.25x torch"
 
 
 def test_summary_names_the_gpu_of_each_row():

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from onca.bench.records import Point, Record
-from onca.bench.spec import MODES, PROVIDERS, OpBenchmark, Sweep
+from onca.bench.spec import MODES, PROVIDERS, OpBenchmark, Sweep, build, takes_mode
 
 MB = 1 << 20
 # Fraction of the free device memory a point may be estimated to use before it is skipped.
@@ -234,8 +234,11 @@ class Harness:
                 try:
                     if inputs is None:
                         inputs = bench.make_inputs(params, self.settings.dtype, self.settings.device)
-                        # Built once per point: modules, options and torch.compile's graph.
-                        run = self._factory(bench, provider)(params, inputs)
+                        factory = self._factory(bench, provider)
+                    if run is None or takes_mode(factory):
+                        # Built once per point (modules, options and torch.compile's graph), or once
+                        # per mode by a factory that takes the mode.
+                        run = build(factory, params, inputs, mode)
                     speed, memory = self._measure(run, inputs, mode, wall_clock)
                 except torch.OutOfMemoryError as exc:
                     inputs = run = None
@@ -386,11 +389,13 @@ class Harness:
             inputs = None
             try:
                 inputs = bench.make_inputs(bench.probe, self.settings.dtype, self.settings.device)
-                run = factory(bench.probe, inputs)
+                run = build(factory, bench.probe, inputs)
                 if self.settings.on_gpu:
                     for mode in self.settings.modes:
                         if mode not in bench.modes:
                             continue
+                        if takes_mode(factory):
+                            run = build(factory, bench.probe, inputs, mode)
                         _, measured = self._measure(run, inputs, mode)
                         estimate = bench.memory_estimate(bench.probe, self.settings.dtype, provider, mode)
                         state.memory_ratio[mode] = calibration(measured * MB, estimate)

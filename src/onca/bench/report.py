@@ -152,36 +152,48 @@ LIMIT_SUFFIX = "_limit"
 
 
 def below_peers(rows: list[dict], mode: str = "full") -> str:
-    """Per kernel, over every D1/D2 point of ``mode``: how many points onca is below the fastest
-    peer (its time / onca's below 1), each such point with that ratio and the peer, and onca's
-    largest peak memory relative to liger-kernel's. Empty if there are no such records."""
+    """Per kernel and GPU, over every D1/D2 point of ``mode``: how many points onca is below the
+    fastest peer (its time / onca's below 1), each such point with that ratio and the peer, and
+    onca's largest peak memory relative to liger-kernel's. A ratio only ever compares rows of one
+    GPU; a kernel measured on two GPUs gets a line for each (the newest onca run's GPU first).
+    Empty if there are no such records."""
     speed: dict[tuple, dict[str, float]] = {}
     memory: dict[tuple, dict[str, float]] = {}
+    newest: dict[tuple, str] = {}
     for r in rows:
         if r["sweep"] not in ("d1", "d2") or r["kernel_operation_mode"] != mode or r["status"] != "ok":
             continue
         table_ = speed if r["metric_name"] == "speed" else memory if r["metric_name"] == "memory" else None
-        if table_ is not None:
-            table_.setdefault((r["kernel_name"], r["sweep"], str(r["x_value"])), {})[r["kernel_provider"]] = r["y_value_50"]
+        if table_ is None:
+            continue
+        where = (r["kernel_name"], r.get("gpu_name", ""))
+        table_.setdefault((*where, r["sweep"], str(r["x_value"])), {})[r["kernel_provider"]] = r["y_value_50"]
+        if r["kernel_provider"] == "onca":
+            newest[where] = max(newest.get(where, ""), r.get("timestamp", ""))
     lines = []
-    for op in sorted({k[0] for k in speed}):
-        points = [(k, v) for k, v in speed.items()
-                  if k[0] == op and "onca" in v and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
+    # Per kernel, its GPUs from the newest onca run to the oldest.
+    for op, gpu in sorted(newest, key=lambda where: (where[0], _reversed(newest[where]))):
+        points = [(k, v) for k, v in speed.items() if k[:2] == (op, gpu) and "onca" in v
+                  and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
         behind = []
-        for (_, sweep, x), times in points:
+        for (_, _, sweep, x), times in points:
             peers = [(p, t) for p, t in times.items() if p != "onca" and not p.endswith(LIMIT_SUFFIX)]
-            if not peers:
-                continue
             peer, best = min(peers, key=lambda pt: pt[1])
             if best < times["onca"]:
                 behind.append(f"{sweep} {x}: {best / times['onca']:.2f}x {peer}")
         ratios = [m["onca"] / m["liger"] for k, m in memory.items()
-                  if k[0] == op and m.get("onca") and m.get("liger")]
+                  if k[:2] == (op, gpu) and m.get("onca") and m.get("liger")]
         memory_note = (f"peak memory at most {max(ratios):.2f}x liger's" if ratios
                        else "no liger-kernel memory to compare")
-        lines.append(f"{op}: below the fastest peer at {len(behind)} of {len(points)} points; {memory_note}")
+        on = f" on {short_gpu_name(gpu)} ({newest[(op, gpu)][:10]})" if gpu else ""
+        lines.append(f"{op}{on}: below the fastest peer at {len(behind)} of {len(points)} points; {memory_note}")
         lines += [f"    {b}" for b in behind]
     return "\n".join(lines)
+
+
+def _reversed(stamp: str) -> tuple[int, ...]:
+    """A sort key that orders ISO timestamps newest first."""
+    return tuple(-ord(c) for c in stamp)
 
 
 def _fmt(value: float, digits: int, suffix: str = "") -> str:

@@ -6,7 +6,9 @@ Each op has one module ``onca/bench/ops/<op>.py`` defining ``BENCHMARK = OpBench
   take gradients are leaves with ``requires_grad=True``.
 - ``onca`` / ``reference`` / ``liger``: provider factories ``factory(params, inputs) -> run`` where
   ``run()`` computes the op on ``inputs`` and returns its output (a tensor or a tuple of tensors).
-  Factories build modules and pick options outside the timed region. ``reference`` is the plain
+  Factories build modules and pick options outside the timed region. A factory that also takes
+  ``mode`` is built for each mode (:func:`build`): e.g. to write gradients over inputs where the
+  backward mode's repeated backward through one graph does not forbid it. ``reference`` is the plain
   PyTorch / Hugging Face computation; the harness times it as ``torch`` and, compiled, as
   ``torch_compile``. ``liger`` imports liger-kernel inside the factory; an ``ImportError`` marks
   the provider unavailable.
@@ -26,6 +28,7 @@ Each op has one module ``onca/bench/ops/<op>.py`` defining ``BENCHMARK = OpBench
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,7 +44,17 @@ PROVIDERS = ("onca", "torch", "torch_compile", "liger")
 
 Params = dict[str, Any]
 Inputs = dict[str, torch.Tensor]
-Factory = Callable[[Params, Inputs], Callable[[], Any]]
+Factory = Callable[..., Callable[[], Any]]
+
+
+def takes_mode(factory: Factory | None) -> bool:
+    """Whether ``factory`` takes ``mode`` (``"forward"``, ``"backward"`` or ``"full"``)."""
+    return factory is not None and "mode" in inspect.signature(factory).parameters
+
+
+def build(factory: Factory, params: Params, inputs: Inputs, mode: str = "full") -> Callable[[], Any]:
+    """The call to time: ``factory(params, inputs)``, with ``mode`` where the factory takes it."""
+    return factory(params, inputs, mode=mode) if takes_mode(factory) else factory(params, inputs)
 
 
 @dataclass(frozen=True)
