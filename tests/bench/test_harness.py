@@ -82,6 +82,36 @@ def test_gated_activations_write_gradients_over_their_inputs_outside_the_backwar
         assert (a.grad.data_ptr() == a.data_ptr()) is overwrites, mode
 
 
+def test_rounds_time_the_providers_in_turns_and_keep_each_ones_fastest(monkeypatch):
+    """Round after round every provider is timed again, in turn, and keeps its fastest median; the
+    memory is measured once. A provider that failed in the first round is not run again."""
+    order, times = [], iter([5.0, 9.0, 4.0, 1.0, 3.0, 3.0, 3.0, 3.0])
+
+    def timed(self, run, leaves, mode, wall_clock=False):
+        order.append(run())
+        t = next(times)
+        return t, t, t
+
+    def failing(p, inputs):
+        def run():
+            order.append("liger")
+            raise RuntimeError("no kernel")
+
+        return run
+
+    monkeypatch.setattr(harness.Harness, "_time_mode", timed)
+    bench = toy_benchmark(onca=lambda p, inputs: lambda: "onca")
+    bench = OpBenchmark(**{**bench.__dict__, "reference": lambda p, inputs: lambda: "torch", "liger": failing})
+    settings = harness.Settings(device="cpu", dtype=torch.float32, providers=("onca", "torch", "liger"),
+                                modes=("full",), rounds=4, max_points=1)
+    new = harness.Harness(settings, progress=False).run(bench, [bench.sweeps[0]])
+    assert order == ["onca", "torch", "liger"] + ["onca", "torch"] * 3
+    assert by(new, "onca", "speed", "full").points[0].y50 == 3.0  # 5, 4, 3, 3
+    assert by(new, "torch", "speed", "full").points[0].y50 == 1.0  # 9, 1, 3, 3
+    assert by(new, "liger", "speed", "full").points[0].status == "error"
+    assert len(by(new, "onca", "memory", "full").points) == 1
+
+
 def test_records_follow_the_schema():
     h = cpu_harness()
     new = h.run(toy_benchmark(), [toy_benchmark().sweeps[0]])

@@ -7,7 +7,10 @@ For each point of a sweep and each provider, the harness
 2. times forward, backward and full (forward + backward) with the 20th, 50th and 80th percentiles
    (GPU: ``triton.testing.do_bench``, CUDA events, warm-up and an L2 flush before each repetition;
    the overhead sweep instead times back-to-back calls by wall clock, host path included, as a
-   small training step experiences them);
+   small training step experiences them). With ``Settings.rounds`` above 1, every provider of a
+   point is timed again in that many rounds, the providers taking turns, and each keeps its fastest
+   round: on a shared host the same call's time drifts by 2-3x over seconds at host-bound sizes,
+   and a one-shot measurement taken during a slow spell would decide the ratio;
 3. measures the peak memory of each mode (``torch.cuda.max_memory_allocated``, inputs included);
 4. turns bytes moved into GB/s and percent of the profile's peak and of the measured copy bandwidth,
    and FLOPs into TFLOP/s, where the op declares them.
@@ -66,6 +69,8 @@ class Settings:
     modes: tuple[str, ...] = MODES
     warmup_ms: int = 25
     rep_ms: int = 100
+    # Timing rounds per point, the providers taking turns; each provider keeps its fastest round.
+    rounds: int = 1
     cpu_reps: int = 2
     # At most this many points per sweep (evenly spaced, the ends included); None: all of them.
     max_points: int | None = None
@@ -161,19 +166,21 @@ class Harness:
             for _, x, params in sweep_work:
                 key = (sweep.kind == "overhead",
                        tuple(sorted((k, repr(v)) for k, v in params.items() if k != "model")))
-                for provider in providers:
-                    bar.set_postfix_str(f"{sweep.x_name}={x} {provider}")
-                    if (provider, key) not in measured:
-                        measured[(provider, key)] = self._run_point(bench, provider, states[provider], params,
-                                                                    x, profile, wall_clock=key[0])
-                    done = []
-                    for (metric, mode), point in measured[(provider, key)].items():
-                        point = dataclasses.replace(point, x=x)
-                        records[(provider, metric, mode)].points.append(point)
-                        done.append(dataclasses.replace(records[(provider, metric, mode)], points=[point]))
-                    if on_point is not None:
-                        on_point(done)
-                    bar.update(1)
+                fresh = [p for p in providers if (p, key) not in measured]
+                last = self.settings.rounds - 1
+                for round_ in range(self.settings.rounds):
+                    for provider in providers:
+                        bar.set_postfix_str(f"{sweep.x_name}={x} {provider}")
+                        if provider in fresh and round_ == 0:
+                            measured[(provider, key)] = self._run_point(bench, provider, states[provider], params,
+                                                                        x, profile, wall_clock=key[0])
+                        elif provider in fresh and _all_timed(measured[(provider, key)]):
+                            again = self._run_point(bench, provider, states[provider], params, x, profile,
+                                                    wall_clock=key[0], memory=False)
+                            measured[(provider, key)] = _fastest(measured[(provider, key)], again)
+                        if round_ == last:  # each provider's records as soon as they are final
+                            _report(records, measured[(provider, key)], provider, x, on_point)
+                            bar.update(1)
             new_records.extend(records.values())
         bar.close()
         self.records.extend(new_records)
@@ -211,7 +218,10 @@ class Harness:
         # A peer of this op, or a peer another op declares (then: no implementation here).
         return bench.peers.get(provider)
 
-    def _run_point(self, bench, provider, state, params, x, profile, wall_clock=False) -> dict[tuple, Point]:
+    def _run_point(self, bench, provider, state, params, x, profile, wall_clock=False,
+                   memory=True) -> dict[tuple, Point]:
+        """One provider at one point: ``{(metric, mode): Point}``; ``memory=False`` (a later timing
+        round) times the modes and leaves the memory out."""
         modes = [m for m in self.settings.modes if m in bench.modes]
         out: dict[tuple, Point] = {}
         if not state.available:
@@ -239,7 +249,7 @@ class Harness:
                         # Built once per point (modules, options and torch.compile's graph), or once
                         # per mode by a factory that takes the mode.
                         run = build(factory, params, inputs, mode)
-                    speed, memory = self._measure(run, inputs, mode, wall_clock)
+                    speed, peak = self._measure(run, inputs, mode, wall_clock, memory)
                 except torch.OutOfMemoryError as exc:
                     inputs = run = None
                     _free()
@@ -256,11 +266,13 @@ class Harness:
                 point = Point(x, p50, p20, p80, estimate_mb=est_mb)
                 self._rates(point, bench, params, mode, profile)
                 out[("speed", mode)] = point
-                if memory is None:
+                if not memory:
+                    continue
+                if peak is None:
                     out[("memory", mode)] = Point(x, status="unmeasured", note="no memory counters on the CPU",
                                                   estimate_mb=est_mb)
                 else:
-                    out[("memory", mode)] = Point(x, memory, memory, memory, estimate_mb=est_mb)
+                    out[("memory", mode)] = Point(x, peak, peak, peak, estimate_mb=est_mb)
         finally:
             del inputs, run
             _free()
@@ -281,12 +293,12 @@ class Harness:
 
     # ---------------------------------------------------------------------------- measuring
 
-    def _measure(self, run, inputs, mode, wall_clock=False):
+    def _measure(self, run, inputs, mode, wall_clock=False, memory=True):
         leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
         speed = self._time_mode(run, leaves, mode, wall_clock)
         # The timing closure (and any graph it kept) is gone before memory is measured.
-        memory = self._peak_memory(run, mode, leaves)
-        return speed, memory
+        peak = self._peak_memory(run, mode, leaves) if memory else None
+        return speed, peak
 
     def _time_mode(self, run, leaves, mode, wall_clock=False):
         for t in leaves:
@@ -409,6 +421,31 @@ class Harness:
                 _free()
             states[provider] = state
         return states
+
+
+def _report(records: dict[tuple, Record], point: dict[tuple, Point], provider: str, x, on_point) -> None:
+    """Add one provider's points at ``x`` to the sweep's ``records`` and hand them to ``on_point``."""
+    done = []
+    for (metric, mode), p in point.items():
+        p = dataclasses.replace(p, x=x)
+        records[(provider, metric, mode)].points.append(p)
+        done.append(dataclasses.replace(records[(provider, metric, mode)], points=[p]))
+    if on_point is not None:
+        on_point(done)
+
+
+def _all_timed(point: dict[tuple, Point]) -> bool:
+    """Whether every mode of a provider's point was timed (not skipped, out of memory or failed)."""
+    return all(p.status == "ok" for (metric, _), p in point.items() if metric == "speed")
+
+
+def _fastest(first: dict[tuple, Point], again: dict[tuple, Point]) -> dict[tuple, Point]:
+    """``first`` with each speed point replaced by ``again``'s where that round was faster."""
+    out = dict(first)
+    for key, p in again.items():
+        if key[0] == "speed" and p.status == "ok" and p.y50 < first[key].y50:
+            out[key] = p
+    return out
 
 
 def subsample(points: list, limit: int | None) -> list:
