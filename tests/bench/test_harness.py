@@ -112,6 +112,17 @@ def test_rounds_time_the_providers_in_turns_and_keep_each_ones_fastest(monkeypat
     assert len(by(new, "onca", "memory", "full").points) == 1
 
 
+def test_the_compiled_provider_compiles_without_a_worker_pool(monkeypatch):
+    """Building the ``torch_compile`` provider turns inductor's compile workers off, so their start
+    (a torch import in every worker) never competes with the host-bound providers being timed."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 8)
+    bench = toy_benchmark()
+    run = cpu_harness()._factory(bench, "torch_compile")({"n": 4}, bench.make_inputs({"n": 4}, torch.float32, "cpu"))
+    assert callable(run) and inductor_config.compile_threads == 1
+
+
 def test_records_follow_the_schema():
     h = cpu_harness()
     new = h.run(toy_benchmark(), [toy_benchmark().sweeps[0]])

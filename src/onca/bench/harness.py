@@ -209,6 +209,12 @@ class Harness:
             return bench.reference
         if provider == "torch_compile":
             def compiled(params, inputs):
+                import torch._inductor.config as inductor_config
+
+                # Inductor compiles in this process: its pool of compile workers (one per core)
+                # starts with the first compile and imports torch in every worker for seconds,
+                # slowing every host-bound provider timed meanwhile (the first points of a sweep).
+                inductor_config.compile_threads = 1
                 torch._dynamo.reset()  # a fresh cache per point: no silent fall back to eager
                 return torch.compile(bench.reference(params, inputs))
 
