@@ -287,6 +287,52 @@ def test_overwritten_gradient_becomes_the_leaf_gradient_without_a_copy(device):
     assert q1.grad.data_ptr() == grads[0].data_ptr() and k1.grad.data_ptr() == grads[1].data_ptr()
 
 
+@pytest.mark.parametrize("layout", [1, 2])
+@pytest.mark.parametrize("rotary", ["full", "partial"])
+def test_overwrite_inputs_rotates_q_and_k_in_their_own_storage(device, layout, rotary):
+    """``overwrite_inputs=True`` returns views of ``q``/``k`` holding exactly what the new tensors
+    hold, with the same gradients (partial rotary: the pass-through columns stay as they were)."""
+    b, s, hq, hk, d, _ = BASE
+    q, k, cos, sin = make((b, s, hq, hk, d, d if rotary == "full" else d // 2), torch.bfloat16, device, layout)
+    q1, k1 = leaf(q), leaf(k)
+    expected = rotary_pos_emb(q1, k1, cos, sin, unsqueeze_dim=layout)
+    grads = tuple(torch.randn_like(t) for t in expected)
+    torch.autograd.backward(expected, grads)
+    q2, k2 = leaf(q), leaf(k)
+    got = rotary_pos_emb(q2, k2, cos, sin, unsqueeze_dim=layout, overwrite_inputs=True)
+    for out, inp, e in zip(got, (q2, k2), expected):
+        assert out.data_ptr() == inp.data_ptr() and out.stride() == inp.stride()
+        assert torch.equal(out, e) and torch.equal(inp.detach(), e.detach())
+    torch.autograd.backward(got, grads)
+    assert torch.equal(q2.grad, q1.grad) and torch.equal(k2.grad, k1.grad)
+    with pytest.raises(RuntimeError, match="view"):  # a later in-place change is refused, not lost
+        got[0].mul_(2)
+
+
+@pytest.mark.parametrize("case", ["promoted", "fused_qkv", "k_is_q", "compiled"])
+def test_overwrite_inputs_leaves_q_and_k_where_it_cannot_apply(device, case):
+    """New tensors, ``q``/``k`` untouched: where the result's dtype is not ``q``'s (fp32 cos/sin), where
+    q and k are views of one fused buffer (with gaps between their heads) or one tensor, and in a
+    compiled graph (the registered op never writes its inputs)."""
+    b, s, hq, hk, d, r = BASE
+    q, k, cos, sin = make(BASE, torch.bfloat16, device, cos_dtype=torch.float32 if case == "promoted" else None)
+    if case == "fused_qkv":
+        qkv = randn(b, s, hq + hk, d, dtype=torch.bfloat16, device=device)
+        q, k = qkv[:, :, :hq].transpose(1, 2), qkv[:, :, hq:].transpose(1, 2)
+    elif case == "k_is_q":
+        k = q
+    saved = (q.clone(), k.clone())
+    expected = rotary_pos_emb(q, k, cos, sin)
+
+    def rotate(q, k, cos, sin):
+        return rotary_pos_emb(q, k, cos, sin, overwrite_inputs=True)
+
+    run = torch.compile(rotate, backend="eager", fullgraph=True) if case == "compiled" else rotate
+    got = run(q, k, cos, sin)
+    assert torch.equal(q, saved[0]) and torch.equal(k, saved[1])
+    assert all(torch.equal(a, e) for a, e in zip(got, expected))
+
+
 def test_cos_sin_get_no_gradient_and_unused_output(device):
     q, k, cos, sin = make(BASE, torch.float32, device)
     cos, sin = leaf(cos), leaf(sin)
@@ -333,6 +379,8 @@ def test_bad_input(device):
         rotary_pos_emb(q, k, cos.expand(3, -1, -1), sin.expand(3, -1, -1))
     with pytest.raises(TypeError, match="overwrite_grad_output must be a bool"):
         rotary_pos_emb(q, k, cos, sin, overwrite_grad_output=1)
+    with pytest.raises(TypeError, match="overwrite_inputs must be a bool"):
+        rotary_pos_emb(q, k, cos, sin, overwrite_inputs="yes")
     with pytest.raises(ValueError, match="cos is on meta"):
         rotary_pos_emb(q, k, torch.empty(cos.shape, device="meta"), sin)
 

@@ -32,7 +32,8 @@ one launch for ``dq`` and ``dk``. Saved for backward: ``cos`` and ``sin`` only (
 caller's tensors, no copies). ``cos``/``sin`` get no gradient (``None``): they are derived from
 fixed frequencies and positions and are never trained; nor does ``k`` when ``k_embed`` is unused
 (likewise ``q``), as in eager PyTorch. ``overwrite_grad_output=True`` (opt-in, eager route only)
-writes ``dq``/``dk`` over the incoming gradients instead of new buffers.
+writes ``dq``/``dk`` over the incoming gradients instead of new buffers, and ``overwrite_inputs=True``
+(likewise) the rotated heads over ``q``/``k`` (the kernel loads each element before storing it).
 
 The launchers are the custom ops ``torch.ops.onca.rope_forward`` and ``rope_backward`` (see
 ``onca/ops/_contract.py``); ``rotary_pos_emb`` validates and picks the layout.
@@ -442,10 +443,14 @@ def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: 
 
 @custom_op("rope_forward")
 def rope_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, heads_first: bool,
-                 overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
+                 overwrite_grad_output: bool, overwrite_inputs: bool) -> tuple[Tensor, Tensor]:
     """``(q_embed, k_embed)`` for 4-D ``q``/``k`` (``(B, H, S, D)`` when ``heads_first``, else
     ``(B, S, H, D)``) and 3-D ``cos``/``sin``. ``overwrite_grad_output`` is the backward's (see
-    ``rotary_pos_emb``)."""
+    ``rotary_pos_emb``). ``overwrite_inputs`` (eager route only) rotates ``q``/``k`` in their own
+    storage where :func:`_in_place` allows and returns views of them."""
+    if overwrite_inputs and _in_place(q, k, cos, sin):
+        _launch(q, k, cos, sin, q, k, heads_first, backward=False)
+        return q.view(q.shape), k.view(k.shape)
     q_embed = _output_like(q, _promoted(q, cos, sin))
     k_embed = _output_like(k, _promoted(k, cos, sin))
     _launch(q, k, cos, sin, q_embed, k_embed, heads_first, backward=False)
@@ -453,8 +458,28 @@ def rope_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, heads_first: bo
 
 
 @rope_forward.register_fake
-def _(q, k, cos, sin, heads_first, overwrite_grad_output):
+def _(q, k, cos, sin, heads_first, overwrite_grad_output, overwrite_inputs):
     return _output_like(q, _promoted(q, cos, sin)), _output_like(k, _promoted(k, cos, sin))
+
+
+def _in_place(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether the rotation may be written over ``q`` and ``k``: each holds its result's dtype, is
+    read in place (unit last-dim stride) and fills its memory span exactly (so views of one fused
+    q/k/v buffer, which leave gaps, get new tensors), and the two spans do not meet (for such
+    tensors that means no shared element, which would be rotated twice)."""
+    return (_reusable(q, _promoted(q, cos, sin)) and _reusable(k, _promoted(k, cos, sin))
+            and not _spans_meet(q, k))
+
+
+def _spans_meet(a: Tensor, b: Tensor) -> bool:
+    """Whether the address ranges of two tensors' elements intersect."""
+    def span(t):
+        start = t.data_ptr()
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return start, start + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _gradient_buffer(grad: Tensor | None, dtype: torch.dtype, like: Tensor, overwrite: bool) -> Tensor:
@@ -492,7 +517,7 @@ def _(dq_embed, dk_embed, cos, sin, q_dtype, k_dtype, heads_first, overwrite_gra
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, heads_first, overwrite_grad_output = inputs
+    q, k, cos, sin, heads_first, overwrite_grad_output, _ = inputs
     ctx.save_for_backward(cos, sin)
     ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
     ctx.heads_first, ctx.overwrite_grad_output = heads_first, overwrite_grad_output
@@ -502,12 +527,12 @@ def _backward(ctx, dq_embed, dk_embed):
     dq_embed = dq_embed if ctx.needs_input_grad[0] else None
     dk_embed = dk_embed if ctx.needs_input_grad[1] else None
     if dq_embed is None and dk_embed is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     cos, sin = ctx.saved_tensors
     overwrite = ctx.overwrite_grad_output and not tracing(dq_embed, dk_embed)
     dq, dk = rope_backward(dq_embed, dk_embed, cos, sin, ctx.q_dtype, ctx.k_dtype, ctx.heads_first,
                            overwrite)
-    return (None if dq_embed is None else dq), (None if dk_embed is None else dk), None, None, None, None
+    return (None if dq_embed is None else dq), (None if dk_embed is None else dk), None, None, None, None, None
 
 
 register_autograd(rope_forward, _backward, setup_context=_setup_context)
@@ -595,6 +620,7 @@ def rotary_pos_emb(
     position_ids: Tensor | None = None,
     unsqueeze_dim: int = 1,
     overwrite_grad_output: bool = False,
+    overwrite_inputs: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Rotary position embedding of ``q`` and ``k`` in one launch: a drop-in for transformers'
     ``apply_rotary_pos_emb`` (Llama, Qwen, Mistral, ...; Phi-3 style partial rotary included).
@@ -613,10 +639,18 @@ def rotary_pos_emb(
     ``overwrite_grad_output=True`` lets the backward pass write ``dq``/``dk`` into the storage of
     the gradients that arrive for ``q_embed``/``k_embed`` (saves memory; only when nothing else
     reads those gradients; eager only: compiled graphs manage their own buffers).
+    ``overwrite_inputs=True`` writes the rotated heads over ``q`` and ``k`` and returns views of
+    them, as liger-kernel's RoPE does (no new q/k-sized tensors; only when nothing else reads
+    ``q``/``k`` afterwards, e.g. a projection's output used once; the views must not be modified in
+    place; eager only). Where the result's dtype differs from ``q``'s (fp32 ``cos`` with bf16
+    ``q``), ``q`` and ``k`` share storage or a layout stores an element twice, new tensors are
+    returned as without it.
     """
     unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
     heads_first = _validate(q, k, cos, sin, unsqueeze_dim)
     check_bool(overwrite_grad_output, "overwrite_grad_output")
+    check_bool(overwrite_inputs, "overwrite_inputs")
     if cos.dim() == 2:  # one (seq, rotary_dim) table for every sequence of the batch
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    return rope_forward(q, k, cos, sin, heads_first, overwrite_grad_output)
+    overwrite_inputs = overwrite_inputs and not tracing(q, k, cos, sin)
+    return rope_forward(q, k, cos, sin, heads_first, overwrite_grad_output, overwrite_inputs)

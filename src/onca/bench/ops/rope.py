@@ -40,9 +40,9 @@ def make_inputs(p, dtype, device):
 def onca(p, inputs):
     from onca.functional import rotary_pos_emb
 
-    # overwrite_grad_output: dq/dk are written over the incoming gradients, as liger-kernel does.
+    # q/k rotated in place and dq/dk written over the incoming gradients, as liger-kernel does.
     return lambda: rotary_pos_emb(inputs["q"], inputs["k"], inputs["cos"], inputs["sin"],
-                                  overwrite_grad_output=True)
+                                  overwrite_grad_output=True, overwrite_inputs=True)
 
 
 def reference(p, inputs):
@@ -80,8 +80,9 @@ def bytes_moved(p, dtype, mode):
 
 # Peak bytes in units of q+k, inputs included (q and k; outputs; incoming gradients; dq and dk).
 _QK_UNITS = {
-    # new outputs; dq/dk written over the incoming gradients (overwrite_grad_output)
-    "onca": {"forward": 2, "backward": 3, "full": 3},
+    # q/k rotated in place (overwrite_inputs), dq/dk written over the incoming gradients
+    # (overwrite_grad_output), as liger's
+    "onca": {"forward": 1, "backward": 2, "full": 2},
     # q/k rotated in place (outputs are views of the inputs), and so are the gradients
     "liger": {"forward": 1, "backward": 2, "full": 2},
     # q * cos, rotate_half (a negated half and a cat), its product with sin, the sum; the backward
@@ -113,5 +114,5 @@ BENCHMARK = OpBenchmark(
     memory_estimate=memory_estimate,
     probe={"batch": 1, "seq": 128, "q_heads": 8, "kv_heads": 2, "head_dim": 128},
     config="q/k = proj.view(B, S, H, D).transpose(1, 2), cos/sin (1, S, rotary_dim); "
-           "onca overwrite_grad_output=True; liger rotates in place",
+           "onca overwrite_inputs=True, overwrite_grad_output=True; liger rotates in place",
 )
