@@ -38,9 +38,9 @@ def restore_marks():
     onca_kernels.unmark_transformers_layers()
 
 
-def _kernelize(model, mode=Mode.TRAINING, device="cpu"):
+def _kernelize(model, mode=Mode.TRAINING, device="cpu", **mapping_options):
     onca_kernels.mark_transformers_layers(model)
-    with kernels.use_kernel_mapping(onca_kernels.mapping(), inherit_mapping=False):
+    with kernels.use_kernel_mapping(onca_kernels.mapping(**mapping_options), inherit_mapping=False):
         kernels.kernelize(model, mode=mode, device=device)
     return model
 
@@ -113,17 +113,29 @@ def test_kernelize_runs_onca_with_the_unpatched_loss_and_gradients(dtype, profil
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
-def test_every_mode_and_device_loads_onca(mode, restore_marks):
+@pytest.mark.parametrize("eager_only", ["default", "none"])
+def test_every_mode_and_device_loads_onca(mode, eager_only, restore_marks):
+    """Every layer in every mode on every device, except that by default (as ``onca.apply``) the
+    norms and the MLP keep the model's own forward in the torch.compile modes."""
+    options = {} if eager_only == "default" else {"eager_only": ()}
     ref = transformers.AutoModelForCausalLM.from_config(tiny_config("olmo2"))
-    model = _kernelize(copy.deepcopy(ref), mode)
-    assert _onca_layers(model) == {"rms_norm": 2 * 4 + 1, "rope": 1}
+    model = _kernelize(copy.deepcopy(ref), mode, **options)
+    compiled = Mode.TORCH_COMPILE in mode
+    norms = {} if compiled and eager_only == "default" else {"rms_norm": 2 * 4 + 1}
+    assert _onca_layers(model) == {**norms, "rope": 1}
     tokens = torch.randint(0, 256, (1, 5))
     assert_close(model(input_ids=tokens).logits, ref(input_ids=tokens).logits, torch.float32)
-    for layer, devices in onca_kernels.mapping().items():
+    for layer, devices in onca_kernels.mapping(**options).items():
         assert set(devices) == set(onca_kernels.DEVICES)
+        eager_layer = eager_only == "default" and onca_kernels.SWITCHES[layer] in ("rms_norm", "mlp")
         for repos in devices.values():
-            assert set(repos) == set(MODES)
+            assert set(repos) == ({Mode.TRAINING, Mode.INFERENCE} if eager_layer else set(MODES))
             assert all(repo.load() is onca_kernels.LAYERS[layer] for repo in repos.values())
+
+
+def test_eager_only_names_switches():
+    with pytest.raises(ValueError, match="eager_only names unknown switch"):
+        onca_kernels.mapping(eager_only={"rmsnorm"})
 
 
 def test_register_makes_plain_kernelize_use_onca(restore_marks):
@@ -192,7 +204,8 @@ def test_rope_variant_is_read_from_the_function(restore_marks):
 
 def test_kernelized_layers_compile_fullgraph(restore_marks):
     model = _kernelize(transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3")),
-                       Mode.TRAINING | Mode.TORCH_COMPILE)
+                       Mode.TRAINING | Mode.TORCH_COMPILE, eager_only=())
+    assert _onca_layers(model) == {"rms_norm": 9, "rope": 1}
     tokens = torch.randint(0, 256, (1, 6))
     eager = model(input_ids=tokens).logits
     compiled = torch.compile(model, fullgraph=True, backend="eager")

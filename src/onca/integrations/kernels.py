@@ -12,8 +12,12 @@ network), for ``cuda``, ``npu`` and ``cpu`` (Triton's interpreter) in every mode
     kernelize(model, mode=Mode.TRAINING, device="cuda")
 
 The layers are the ones ``onca.apply`` sets (``onca.integrations.transformers.forwards``), so the
-two routes run the same code. The mapping covers layers only: the fused linear cross entropy of
-the causal-LM loss stays with ``onca.apply``.
+two routes run the same code, with the same defaults: in the ``Mode.TORCH_COMPILE`` modes the norms
+and the gated MLP are left out of the mapping (``onca.apply``'s ``"eager"`` default), and
+``kernelize`` keeps those layers' own forward for inductor to fuse (the kernels package never falls
+back from a compile mode to a mode without it). ``mapping(eager_only=())`` maps them there too. The
+mapping covers layers only: the fused linear cross entropy of the causal-LM loss stays with
+``onca.apply``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from onca.integrations.transformers import forwards
+from onca.integrations.transformers.patch import EAGER_BY_DEFAULT, KERNELS
 
 __all__ = ["DEVICES", "LAYERS", "OncaRepository", "mapping", "mark_transformers_layers", "register",
            "unmark_transformers_layers"]
@@ -40,6 +45,9 @@ LAYERS: dict[str, type[nn.Module]] = {
     "rotary_pos_emb": forwards.RotaryPosEmbLayer,
 }
 DEVICES = ("cuda", "npu", "cpu")
+# ``onca.apply``'s switch for each layer name.
+SWITCHES: dict[str, str] = {"RMSNorm": "rms_norm", "RMSNormZeroCentered": "rms_norm", "SwiGLUMLP": "mlp",
+                            "GeGLUMLP": "mlp", "rotary_pos_emb": "rope"}
 
 
 @dataclass(frozen=True)
@@ -56,26 +64,35 @@ class OncaRepository:
         return f"onca ({self.layer.__name__})"
 
 
-def mapping() -> dict:
+def mapping(eager_only=EAGER_BY_DEFAULT) -> dict:
     """The kernel mapping ``{layer name: {device: {mode: repository}}}`` for
     ``kernels.register_kernel_mapping`` or ``kernels.use_kernel_mapping``: every layer in
-    ``LAYERS`` on every device in ``DEVICES``, for training and inference, compiled or not."""
+    ``LAYERS`` on every device in ``DEVICES``, for training and inference, and under
+    ``Mode.TORCH_COMPILE`` too unless its ``onca.apply`` switch is in ``eager_only`` (by default the
+    norms and the MLP, as ``onca.apply``'s ``"eager"`` default: there the model's own code)."""
     from kernels import Mode
 
-    modes = (Mode.TRAINING, Mode.INFERENCE, Mode.TRAINING | Mode.TORCH_COMPILE,
-             Mode.INFERENCE | Mode.TORCH_COMPILE)
-    return {name: {device: {mode: OncaRepository(layer) for mode in modes} for device in DEVICES}
+    unknown = sorted(set(eager_only) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"eager_only names unknown switch(es) {', '.join(unknown)}; switches: {', '.join(KERNELS)}")
+    eager = (Mode.TRAINING, Mode.INFERENCE)
+    compiled = (Mode.TRAINING | Mode.TORCH_COMPILE, Mode.INFERENCE | Mode.TORCH_COMPILE)
+
+    def modes(name):
+        return eager if SWITCHES[name] in eager_only else eager + compiled
+
+    return {name: {device: {mode: OncaRepository(layer) for mode in modes(name)} for device in DEVICES}
             for name, layer in LAYERS.items()}
 
 
-def register() -> None:
-    """Register Onca's mapping with the kernels package, so that ``kernelize`` uses Onca on every
-    marked layer it serves. Where transformers' kernels integration is active, Onca's entries also
-    replace the default ones for the same layers and devices, because ``use_kernels=True``
-    re-registers transformers' default mapping before each ``kernelize``."""
+def register(eager_only=EAGER_BY_DEFAULT) -> None:
+    """Register Onca's mapping (:func:`mapping`) with the kernels package, so that ``kernelize``
+    uses Onca on every marked layer it serves. Where transformers' kernels integration is active,
+    Onca's entries also replace the default ones for the same layers and devices, because
+    ``use_kernels=True`` re-registers transformers' default mapping before each ``kernelize``."""
     import kernels
 
-    onca_mapping = mapping()
+    onca_mapping = mapping(eager_only)
     kernels.register_kernel_mapping(onca_mapping)
     _overlay_transformers_defaults(onca_mapping)
 
