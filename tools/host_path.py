@@ -21,6 +21,7 @@ import time
 import torch
 
 from onca.bench import harness
+from onca.bench.spec import build
 
 
 @contextlib.contextmanager
@@ -60,7 +61,7 @@ HOST_SYNC = "aten::_local_scalar_dense"
 
 def _step(bench, provider_fn, params, dtype):
     inputs = bench.make_inputs(params, dtype, "cpu")
-    run = provider_fn(params, inputs)
+    run = build(provider_fn, params, inputs)
     leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     seeds = []  # the incoming gradients, made once: their fills are not the op's
 
