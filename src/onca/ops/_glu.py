@@ -436,7 +436,8 @@ def _check_gated(a, b, activation: str, gate_multiplier, down_multiplier, overwr
     check_number(gate_multiplier, "gate_multiplier")
     check_number(down_multiplier, "down_multiplier")
     check_bool(overwrite_inputs, "overwrite_inputs")
-    if (overwrite_inputs and b is not None and not tracing(a, b) and a.numel()
+    # Meta tensors (onca audit's launch recording) have no memory to alias: every data_ptr is 0.
+    if (overwrite_inputs and b is not None and not tracing(a, b) and a.numel() and a.device.type != "meta"
             and a.data_ptr() == b.data_ptr()):
         raise ValueError("overwrite_inputs=True needs a and b in separate memory (they alias)")
     if activation not in ACTIVATIONS:
