@@ -171,8 +171,9 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
         if r["kernel_provider"] == "onca":
             newest[where] = max(newest.get(where, ""), r.get("timestamp", ""))
     lines = []
-    # Per kernel, its GPUs from the newest onca run to the oldest.
-    for op, gpu in sorted(newest, key=lambda where: (where[0], _reversed(newest[where]))):
+    # Per kernel (a stable sort by name), its GPUs from the newest onca run to the oldest.
+    order = sorted(sorted(newest, key=newest.get, reverse=True), key=lambda where: where[0])
+    for op, gpu in order:
         points = [(k, v) for k, v in speed.items() if k[:2] == (op, gpu) and "onca" in v
                   and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
         behind = []
@@ -189,11 +190,6 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
         lines.append(f"{op}{on}: below the fastest peer at {len(behind)} of {len(points)} points; {memory_note}")
         lines += [f"    {b}" for b in behind]
     return "\n".join(lines)
-
-
-def _reversed(stamp: str) -> tuple[int, ...]:
-    """A sort key that orders ISO timestamps newest first."""
-    return tuple(-ord(c) for c in stamp)
 
 
 def _fmt(value: float, digits: int, suffix: str = "") -> str:
