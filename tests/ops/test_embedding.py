@@ -97,8 +97,10 @@ def test_column_tiled_path(profile, device, onchip_bytes, dtype, deterministic):
     n, dim = 13, (1000 if SCALE == "cpu" else 8192)
     plans = op.plan((45, n, dim), dtype, forced)
     assert all(p.col_tiles > 1 for p in plans.values()), plans
-    # One-row tiles: every kernel's scalar-address path (the one triton-ascend can lower).
-    assert all(p.block_rows == 1 for p in plans.values()), plans
+    # One-row tiles: the gather and atomic kernels' scalar-address path (the one triton-ascend can
+    # lower); the sorted backward always gathers RUN_CHUNK rows.
+    assert all(p.block_rows == 1 for kind, p in plans.items() if kind != "bwd_sorted"), plans
+    assert plans["bwd_sorted"].block_rows == op.RUN_CHUNK
     check(_indices((5, 9), n, device), randn(n, dim, dtype=dtype, device=device), 2, deterministic)
 
 
@@ -119,6 +121,36 @@ def test_scale_grad_by_freq(device):
         check(idx, randn(n, dim, dtype=dtype, device=device), padding_idx=2, scale_grad_by_freq=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_sorted_backward_joins_runs_across_chunks(monkeypatch, device, dtype, scale_grad_by_freq, padding_idx):
+    """Runs of equal indices longer than a chunk (a padding token filling much of a batch), runs
+    that end exactly at a chunk's end or start at its start, and single tokens: with 4-token chunks
+    every way a run can meet a chunk boundary occurs, and each index gets the sum of its tokens."""
+    monkeypatch.setattr(op, "RUN_CHUNK", 4)
+    monkeypatch.setattr(op, "JOIN", 2)  # a 30-token run: its pieces joined over several steps
+    monkeypatch.setattr(op, "FEW_TOKENS", 0)
+    assert op.plan((70, 9, 48), torch.float32)["bwd_sorted"].block_rows == 4
+    n, dim = 9, 48
+    # Sorted: 0 x1 | 1 x3 (ends at the first chunk's end) | 2 x4 (one whole chunk) | 3 x30 | ...
+    runs = {0: 1, 1: 3, 2: 4, 3: 30, 4: 1, 5: 5, 7: 2, 8: 9}
+    idx = torch.cat([torch.full((c,), i) for i, c in runs.items()])
+    outside = torch.device(device).type != "cuda"  # CUDA's forward asserts on them
+    if outside:  # long runs of out-of-range indices at both ends of the sorted order
+        idx = torch.cat([idx, torch.full((6,), -1), torch.full((7,), n)])
+    idx = idx[torch.randperm(idx.numel())].to(device)
+    weight = randn(n, dim, dtype=dtype, device=device)
+    dy = randn(idx.numel(), dim, dtype=dtype, device=device)
+    wk = leaf(weight)
+    embedding(idx, wk, padding_idx, deterministic=True, scale_grad_by_freq=scale_grad_by_freq).backward(dy)
+    valid = (idx >= 0) & (idx < n)
+    ref = reference(idx[valid], weight, dy[valid], padding_idx, scale_grad_by_freq)[1]
+    assert_close(wk.grad, ref, dtype, "dW")
+    if padding_idx is not None:
+        assert not wk.grad[padding_idx].any()
+
+
 def test_deterministic_gradient_is_bitwise_reproducible(device):
     shape, n, dim = BASE
     idx = _indices((4 * shape[0], shape[1]), 5, device)
@@ -133,12 +165,12 @@ def test_deterministic_gradient_is_bitwise_reproducible(device):
 
 
 def test_backward_path_choice(monkeypatch):
-    assert not op._segment_path(torch.float32, False, False)
-    assert op._segment_path(torch.float32, True, False)
-    assert op._segment_path(torch.float32, False, True)
-    assert op._segment_path(torch.bfloat16, False, False) and op._segment_path(torch.float16, False, False)
+    assert not op._sorted_path(torch.float32, False, False)
+    assert op._sorted_path(torch.float32, True, False)
+    assert op._sorted_path(torch.float32, False, True)
+    assert op._sorted_path(torch.bfloat16, False, False) and op._sorted_path(torch.float16, False, False)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert op._segment_path(torch.float32, False, False)
+    assert op._sorted_path(torch.float32, False, False)
 
 
 @pytest.mark.parametrize("bad", [-1, 50, 10**6])
@@ -310,7 +342,7 @@ def test_plans_cover_rows_and_column_tiles():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [1, 7, op.FEW_TOKENS])
 @pytest.mark.parametrize("scale_grad_by_freq", [False, True])
-def test_few_tokens_backward_is_bitwise_the_sorted_one(monkeypatch, device, dtype, tokens, scale_grad_by_freq):
+def test_few_tokens_backward_matches_the_sorted_one(monkeypatch, device, dtype, tokens, scale_grad_by_freq):
     # Repeated indices, the padding row, and (off CUDA, whose forward asserts on them) indices
     # outside the table, which get no gradient anywhere.
     n, dim = 13, 40
@@ -326,8 +358,9 @@ def test_few_tokens_backward_is_bitwise_the_sorted_one(monkeypatch, device, dtyp
         return wk.grad
 
     few = grad()
-    monkeypatch.setattr(op, "FEW_TOKENS", 0)  # the sort, search and segment kernel
-    assert torch.equal(few, grad())
+    assert torch.equal(few, grad())  # deterministic
+    monkeypatch.setattr(op, "FEW_TOKENS", 0)  # the sort and the run kernels
     valid = (idx >= 0) & (idx < n)
     ref = reference(idx[valid], weight, dy[valid], 2, scale_grad_by_freq)[1]
-    assert_close(few, ref, dtype, "dW")
+    assert_close(few, ref, dtype, "dW (few tokens)")
+    assert_close(grad(), ref, dtype, "dW (sorted)")

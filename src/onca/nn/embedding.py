@@ -16,7 +16,7 @@ class Embedding(nn.Module):
     renormalises the weight in place during the forward) and ``sparse=True`` (sparse gradients).
 
     Onca's own options: ``deterministic=True`` makes the weight gradient bitwise reproducible (sorted
-    segment reduction instead of fp32 atomics; bf16/fp16 weights always take that path), and
+    run reduction instead of fp32 atomics; bf16/fp16 weights always take that path), and
     ``check_bounds=True`` raises ``IndexError`` for an out-of-range index at the cost of one
     host-device synchronisation per forward (without it such indices are masked, never read, and on
     CUDA stop the kernel with a device-side assertion, as ``torch.nn.Embedding``'s do).

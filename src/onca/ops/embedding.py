@@ -10,19 +10,22 @@ accumulating in fp32, by one of two kernels:
 - **atomic** (``deterministic=False``, fp32 weights): the gradient starts at zero and each tile of
   output-gradient rows is added into its weight rows with fp32 atomic adds. Fast and exact to fp32
   rounding, but the order of the additions, hence the last bits, may vary from run to run.
-- **segment** (``deterministic=True``, and always for bf16/fp16 weights, ``scale_grad_by_freq``, or
+- **sorted** (``deterministic=True``, and always for bf16/fp16 weights, ``scale_grad_by_freq``, or
   under ``torch.use_deterministic_algorithms(True)``): the flat indices are sorted on the device
-  (a stable ``torch.sort``; every size is known from the shapes, so no host synchronisation) and
-  ``torch.searchsorted`` gives each weight row its segment of equal indices. One kernel then walks
-  the weight gradient in 2-D tiles (a block of weight rows x a block of columns): each program owns
-  whole segments, sums its rows' gradients in fp32 in token order, and writes every element of its
-  tile exactly once (zeros for rows no token used), so no two programs write the same element, no
-  zero fill is needed, and the result is bitwise reproducible. Atomics into a bf16/fp16 gradient
-  would accumulate in 16 bits (frequent tokens lose precision) and an fp32 scratch would triple the
-  memory traffic, so 16-bit weights always take this path; it writes each gradient element once and
-  is as fast. Up to ``FEW_TOKENS`` tokens the same sums come from one kernel without the sort: the
-  program of an index's first token sums that index's tokens in token order (bitwise the segment
-  kernel's result) into a zeroed gradient.
+  (a stable ``torch.sort``; every size is known from the shapes, so no host synchronisation), which
+  groups each index's tokens into one run of sorted positions, in token order. The gradient starts
+  at zero; one kernel takes the sorted positions in chunks of ``RUN_CHUNK``, gathers the chunk's
+  output-gradient rows at once, sums each run with a segmented scan in fp32 (a fixed order), and
+  stores every run that starts and ends in the chunk into its weight row, each row by exactly one
+  program. The pieces of runs that cross a chunk boundary go to an fp32 scratch of two rows per
+  chunk, and a second kernel adds each such run's pieces in chunk order (``JOIN`` at a time) and
+  stores the row. No atomics, so the result is bitwise reproducible; and no program walks a long
+  run alone, so a frequent index (a padding token filling half a batch, Zipf-distributed text)
+  costs what uniform indices cost. Atomics into a bf16/fp16 gradient would accumulate in 16 bits
+  (frequent tokens lose precision) and an fp32 scratch of the table's size would triple the memory
+  traffic, so 16-bit weights always take this path. Up to ``FEW_TOKENS`` tokens one kernel replaces
+  the sort and both run kernels: the program of an index's first token sums that index's tokens in
+  token order into the zeroed gradient.
 
 ``padding_idx``: that row is gathered as usual but receives no gradient (as ``torch.nn.Embedding``).
 
@@ -55,7 +58,7 @@ from torch import Tensor
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_same_device
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan, TilingError, next_power_of_2, plan_rows
 
 __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 
@@ -64,13 +67,23 @@ __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 # atomics; an int64 tile is counted as two fp32 tiles.
 FORWARD_TILES = dict(live_tiles=1, fp32_tiles=4)  # the gathered rows; load and store addresses
 ATOMIC_TILES = dict(live_tiles=1, fp32_tiles=5)  # dy rows, their fp32 values; dy and dW addresses
-SEGMENT_TILES = dict(live_tiles=2, fp32_tiles=5)  # dy rows, dW tile; fp32 sum; dy and dW addresses
+# The sorted backward's programs hold one dy row tile, its fp32 sum and scaled sum, and the int64
+# addresses of the row and of the stores (two fp32 tiles each); the second kernel, JOIN fp32 rows
+# of pieces and their addresses.
+RUNS_TILES = dict(live_tiles=1, fp32_tiles=6)
 FEW_TOKENS_TILES = dict(live_tiles=1, fp32_tiles=2)  # one dy row, its fp32 sum
 
 # Up to this many tokens the deterministic backward skips the sort: each token's program compares
 # its index with the others' (a few registers), so a zero fill and one launch replace the sort,
 # the search and their launches, which cost more than the work at host-bound sizes.
 FEW_TOKENS = 64
+
+# Sorted positions per program of the sorted backward (measured on an H100, bf16, 16384 tokens:
+# 32 beat 64 and 128, most where few programs share a narrow table). A run longer than this is
+# summed in pieces, joined by a second kernel JOIN pieces at a time, so that no program walks a
+# long run (a padding token that fills half a batch) alone.
+RUN_CHUNK = 32
+JOIN = 8
 
 
 class IndexOutOfRangeError(IndexError, ValueError):
@@ -160,44 +173,98 @@ def _embedding_backward_atomic_kernel(
 
 @fast_launch
 @triton.jit
-def _embedding_backward_segment_kernel(
-    perm_ptr, offsets_ptr, dy_ptr, dw_ptr,
-    n_embeddings, n_cols, dy_row_stride, dw_row_stride, padding_idx,
+def _embedding_backward_runs_kernel(
+    sorted_ptr, perm_ptr, dy_ptr, dw_ptr, part_ptr, tail_start_ptr,
+    n_tokens, n_cols, n_embeddings, dy_row_stride, dw_row_stride, padding_idx,
     SCALE_BY_FREQ: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
-    """Tiles of the weight gradient: rows ``r`` sum ``dy[perm[offsets[r]:offsets[r + 1]]]``."""
+    """Program ``(chunk, column tile)`` walks ``CHUNK`` sorted positions and sums each run of equal
+    indices among them in token order, in fp32. A run that starts and ends in the chunk is stored
+    into its weight row; the piece of a run that began in an earlier chunk (the chunk's head) goes
+    to ``part[chunk, 0]``, and the piece of a run that starts here and goes on (its tail) to
+    ``part[chunk, 1]``, with the run's first sorted position in ``tail_start[chunk]``."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    n_tiles = tl.cdiv(n_embeddings, BLOCK_ROWS) * COL_TILES
-    for tile in tl.range(pid, n_tiles, n_programs):
-        row_block = tile // COL_TILES
+    n_chunks = tl.cdiv(n_tokens, CHUNK)
+    for tile in tl.range(pid, n_chunks * COL_TILES, n_programs):
+        chunk = tile // COL_TILES
         cols = (tile % COL_TILES) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_embeddings
-        start = tl.load(offsets_ptr + rows, mask=row_mask, other=0)
-        count = tl.load(offsets_ptr + rows + 1, mask=row_mask, other=0) - start
-        count = tl.where(rows == padding_idx, 0, count)
-        acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-        # Each row of the tile walks its own segment; the tile runs as long as its longest one.
-        for k in range(0, tl.max(count, axis=0)):
-            if BLOCK_ROWS == 1:
-                # A scalar gather, as in the forward; the loop ends at the row's count.
-                token = tl.load(perm_ptr + tl.sum(start, axis=0) + k)
-                acc += tl.load(dy_ptr + token * dy_row_stride + cols, mask=col_mask,
-                               other=0.0)[None, :].to(tl.float32)
-            else:
-                active = k < count
-                token = tl.load(perm_ptr + start + k, mask=active, other=0)
-                acc += tl.load(dy_ptr + token[:, None] * dy_row_stride + cols[None, :],
-                               mask=active[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        if SCALE_BY_FREQ:
-            acc = acc / tl.maximum(count, 1).to(tl.float32)[:, None]
-        tl.store(dw_ptr + rows.to(tl.int64)[:, None] * dw_row_stride + cols[None, :],
-                 acc.to(dw_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        first = chunk * CHUNK
+        last = tl.minimum(first + CHUNK, n_tokens) - 1
+        current = tl.load(sorted_ptr + first).to(tl.int64)
+        before = tl.load(sorted_ptr + tl.maximum(first - 1, 0)).to(tl.int64)
+        in_head = (first > 0) & (before == current)
+        run_start = first
+        acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        for p in range(first, last + 1):
+            token = tl.load(perm_ptr + p).to(tl.int64)
+            acc += tl.load(dy_ptr + token * dy_row_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+            following = tl.load(sorted_ptr + tl.minimum(p + 1, n_tokens - 1)).to(tl.int64)
+            run_ends = (p + 1 >= n_tokens) | (following != current)
+            piece_ends = run_ends | (p == last)
+            valid = (current >= 0) & (current < n_embeddings) & (current != padding_idx)
+            total = acc
+            if SCALE_BY_FREQ:
+                total = acc / (p + 1 - run_start).to(tl.float32)
+            # Masks as tl.where(scalar, tensor, False): the interpreter refuses ``scalar & tensor``.
+            tl.store(dw_ptr + current * dw_row_stride + cols, total.to(dw_ptr.dtype.element_ty),
+                     mask=tl.where(run_ends & ~in_head & valid, col_mask, False))
+            tl.store(part_ptr + (2 * chunk) * n_cols + cols, acc,
+                     mask=tl.where(piece_ends & in_head, col_mask, False))
+            tail = piece_ends & ~run_ends & ~in_head
+            tl.store(part_ptr + (2 * chunk + 1) * n_cols + cols, acc, mask=tl.where(tail, col_mask, False))
+            tl.store(tail_start_ptr + chunk, run_start, mask=tail)
+            acc = tl.where(piece_ends, 0.0, acc)
+            in_head = in_head & ~run_ends
+            run_start = tl.where(run_ends, p + 1, run_start)
+            current = tl.where(run_ends, following, current)
+
+
+@fast_launch
+@triton.jit
+def _embedding_backward_run_tails_kernel(
+    sorted_ptr, run_end_ptr, part_ptr, tail_start_ptr, dw_ptr,
+    n_tokens, n_cols, n_embeddings, dw_row_stride, padding_idx,
+    SCALE_BY_FREQ: tl.constexpr,
+    CHUNK: tl.constexpr,
+    JOIN: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    COL_TILES: tl.constexpr,
+):
+    """Program ``(chunk, column tile)`` finishes the run that leaves ``chunk`` (if one does): its tail
+    piece plus the head pieces of the following chunks up to the run's end, ``JOIN`` pieces at a
+    time, always in the same order, into the weight row."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_chunks = tl.cdiv(n_tokens, CHUNK)
+    j = tl.arange(0, JOIN)
+    for tile in tl.range(pid, (n_chunks - 1) * COL_TILES, n_programs):  # the last chunk has no tail
+        chunk = tile // COL_TILES
+        cols = (tile % COL_TILES) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        col_mask = cols < n_cols
+        first = chunk * CHUNK
+        last = first + CHUNK - 1  # every chunk but the last is full
+        index = tl.load(sorted_ptr + last).to(tl.int64)
+        following = tl.load(sorted_ptr + last + 1).to(tl.int64)
+        # A chunk that lies wholly inside a run begun earlier has a head piece and no tail.
+        whole = (first > 0) & (tl.load(sorted_ptr + tl.maximum(first - 1, 0)).to(tl.int64) == index)
+        valid = (index >= 0) & (index < n_embeddings) & (index != padding_idx)
+        if (following == index) & ~whole & valid:
+            acc = tl.load(part_ptr + (2 * chunk + 1) * n_cols + cols, mask=col_mask, other=0.0)
+            end = tl.load(run_end_ptr + last)  # one past the run's last sorted position
+            last_chunk = (end - 1) // CHUNK
+            for c0 in range(chunk + 1, last_chunk + 1, JOIN):
+                later = c0 + j
+                heads = tl.load(part_ptr + (2 * later)[:, None] * n_cols + cols[None, :],
+                                mask=(later <= last_chunk)[:, None] & col_mask[None, :], other=0.0)
+                acc += tl.sum(heads, axis=0)
+            if SCALE_BY_FREQ:
+                acc = acc / (end - tl.load(tail_start_ptr + chunk)).to(tl.float32)
+            tl.store(dw_ptr + index * dw_row_stride + cols, acc.to(dw_ptr.dtype.element_ty), mask=col_mask)
 
 
 @fast_launch
@@ -252,10 +319,44 @@ def _cached_tile_plan(rows: int, cols: int, dtype: torch.dtype, tiles: tuple, pr
     return dataclasses.replace(p, grid=grid)
 
 
+def _runs_plan(tokens: int, cols: int, dtype: torch.dtype, profile: DeviceProfile | None) -> RowPlan:
+    """The sorted backward's programs: ``RUN_CHUNK`` sorted tokens each (``block_rows``), in column
+    tiles of ``block_cols``. Its largest tile is the joining kernel's ``JOIN`` fp32 rows."""
+    return _cached_runs_plan(tokens, cols, dtype, profile or get_profile(), RUN_CHUNK, JOIN)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_runs_plan(tokens: int, cols: int, dtype: torch.dtype, profile: DeviceProfile, chunk: int,
+                      join: int) -> RowPlan:
+    itemsize = dtype.itemsize
+    walk = RUNS_TILES["live_tiles"] * itemsize + RUNS_TILES["fp32_tiles"] * 4
+    per_col = max(walk, join * (4 + 8))  # JOIN fp32 pieces and their int64 addresses
+    widest = profile.onchip_bytes // per_col
+    if profile.tile_elements:
+        # Measured on an H100 (bf16, hidden 4096): 512-column tiles beat 1024 and 4096 (more
+        # programs walk their chunks side by side).
+        widest = min(widest, profile.tile_elements // 4)
+    min_block = next_power_of_2(-(-profile.align_bytes // itemsize))
+    block_cols = max(min_block, min(next_power_of_2(cols), next_power_of_2(widest + 1) // 2))
+    if block_cols * per_col > profile.onchip_bytes:
+        raise TilingError(f"{join} rows of {block_cols} fp32 columns do not fit the "
+                          f"{profile.onchip_bytes}-byte on-chip budget of profile {profile.name!r}")
+    col_tiles = -(-cols // block_cols)
+    row_blocks = -(-tokens // chunk)
+    tiles = row_blocks * col_tiles
+    return RowPlan(
+        rows=tokens, cols=cols, block_rows=chunk, block_cols=block_cols, col_tiles=col_tiles,
+        row_blocks=row_blocks, grid=min(tiles, profile.compute_units) if profile.persistent else tiles,
+        num_warps=4 if profile.kind == "cuda" else 1, tile_bytes=block_cols * per_col,
+        onchip_bytes=profile.onchip_bytes, persistent=profile.persistent, profile=profile.name,
+    )
+
+
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """Plans for indices of shape ``shape[:-2]`` into a ``(num_embeddings, embedding_dim)`` table
     ``shape[-2:]`` of ``dtype``: the forward gather, the atomic backward (over tokens) and the
-    segment backward (over weight rows)."""
+    sorted backward (over chunks of ``RUN_CHUNK`` sorted tokens; its second kernel, which joins the
+    runs that cross chunks, has at most as many programs)."""
     shape = tuple(int(s) for s in shape)
     if len(shape) < 3:
         raise ValueError(f"embedding plans take (*index_shape, num_embeddings, embedding_dim), got {shape}")
@@ -264,7 +365,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     return {
         "forward": _tile_plan(tokens, dim, dtype, FORWARD_TILES, profile),
         "bwd_atomic": _tile_plan(tokens, dim, torch.float32, ATOMIC_TILES, profile),
-        "bwd_sorted": _tile_plan(n_embeddings, dim, dtype, SEGMENT_TILES, profile),
+        "bwd_sorted": _runs_plan(max(1, tokens), dim, dtype, profile),
     }
 
 
@@ -290,7 +391,7 @@ def _raise_if_out_of_range(indices: torch.Tensor, n_embeddings: int) -> None:
         )
 
 
-def _segment_path(weight_dtype: torch.dtype, deterministic: bool, scale_grad_by_freq: bool) -> bool:
+def _sorted_path(weight_dtype: torch.dtype, deterministic: bool, scale_grad_by_freq: bool) -> bool:
     return (deterministic or scale_grad_by_freq or weight_dtype != torch.float32
             or torch.are_deterministic_algorithms_enabled())
 
@@ -345,21 +446,31 @@ def _backward_few_tokens(indices, dy, dw, padding_idx: int, scale_grad_by_freq: 
     )
 
 
-def _backward_segment(indices, dy, dw, padding_idx: int, scale_grad_by_freq: bool) -> None:
-    """Write every element of ``dw`` once: sort, find each row's segment, sum the segments."""
-    n_embeddings, dim = dw.shape
-    # A stable sort keeps equal indices in token order, so each segment sums in a fixed order.
+def _backward_sorted(indices, dy, dw, padding_idx: int, scale_grad_by_freq: bool) -> None:
+    """Add every run of equal sorted indices into the zeroed ``dw``, in token order, without atomics:
+    sort, sum the runs chunk by chunk, then join the runs that cross chunks."""
+    n_tokens, dim = dy.shape
+    # A stable sort keeps equal indices in token order, so each run sums in a fixed order.
     sorted_indices, perm = torch.sort(indices, stable=True)
-    bounds = torch.arange(n_embeddings + 1, dtype=sorted_indices.dtype, device=indices.device)
-    # offsets[r] = the first sorted position holding an index >= r; indices outside the table fall
-    # before offsets[0] or after offsets[n_embeddings] and are ignored.
-    offsets = torch.searchsorted(sorted_indices, bounds)
-    p = _tile_plan(n_embeddings, dim, dw.dtype, SEGMENT_TILES, None)
-    _embedding_backward_segment_kernel[(p.grid,)](
-        perm, offsets, dy, dw,
-        n_embeddings, dim, dy.stride(0), dw.stride(0), padding_idx,
-        SCALE_BY_FREQ=scale_grad_by_freq,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
+    p = _runs_plan(n_tokens, dim, dw.dtype, None)
+    n_chunks = p.row_blocks
+    part = torch.empty((n_chunks, 2, dim), dtype=torch.float32, device=dy.device)
+    tail_start = torch.empty((n_chunks,), dtype=torch.int64, device=dy.device)
+    options = dict(SCALE_BY_FREQ=scale_grad_by_freq, CHUNK=p.block_rows, BLOCK_COLS=p.block_cols,
+                   COL_TILES=p.col_tiles, num_warps=p.num_warps)
+    _embedding_backward_runs_kernel[(p.grid,)](
+        sorted_indices, perm, dy, dw, part, tail_start,
+        n_tokens, dim, dw.shape[0], dy.stride(0), dw.stride(0), padding_idx, **options,
+    )
+    if n_chunks == 1:
+        return
+    # One past the last sorted position of each position's run (the second kernel reads those of
+    # the full chunks' last positions).
+    run_end = torch.searchsorted(sorted_indices, sorted_indices, right=True)
+    tails = p.col_tiles * (n_chunks - 1)
+    _embedding_backward_run_tails_kernel[(min(tails, p.grid),)](
+        sorted_indices, run_end, part, tail_start, dw,
+        n_tokens, dim, dw.shape[0], dw.stride(0), padding_idx, JOIN=JOIN, **options,
     )
 
 
@@ -367,16 +478,16 @@ def _backward_segment(indices, dy, dw, padding_idx: int, scale_grad_by_freq: boo
 def embedding_backward(dy: Tensor, indices: Tensor, n_embeddings: int, padding_idx: int,
                        deterministic: bool, scale_grad_by_freq: bool, weight_dtype: torch.dtype) -> Tensor:
     """The dense weight gradient ``(n_embeddings, embedding_dim)`` of ``weight_dtype`` for ``dy``
-    ``(tokens, embedding_dim)`` (unit column stride); the kernel is chosen by ``_segment_path``."""
+    ``(tokens, embedding_dim)`` (unit column stride); the kernel is chosen by ``_sorted_path``."""
     n_tokens, dim = dy.shape
     if n_tokens == 0 or n_embeddings == 0 or dim == 0:
         return torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
-    if _segment_path(weight_dtype, deterministic, scale_grad_by_freq) and n_tokens <= FEW_TOKENS:
+    if _sorted_path(weight_dtype, deterministic, scale_grad_by_freq) and n_tokens <= FEW_TOKENS:
         dw = torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
         _backward_few_tokens(indices, dy, dw, padding_idx, scale_grad_by_freq)
-    elif _segment_path(weight_dtype, deterministic, scale_grad_by_freq):
-        dw = torch.empty((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
-        _backward_segment(indices, dy, dw, padding_idx, scale_grad_by_freq)
+    elif _sorted_path(weight_dtype, deterministic, scale_grad_by_freq):
+        dw = torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
+        _backward_sorted(indices, dy, dw, padding_idx, scale_grad_by_freq)
     else:  # fp32 weights: the atomics accumulate into the gradient itself
         dw = torch.zeros((n_embeddings, dim), dtype=weight_dtype, device=dy.device)
         _backward_atomic(indices, dy, dw, padding_idx)

@@ -53,10 +53,12 @@ def memory_estimate(p, dtype, provider, mode):
     out = t * h * b
     if mode == "forward":
         return inputs + out
-    # The output and its gradient, the dense weight gradient, and index scratch: onca sorts the
-    # indices (values, permutation, one offset per table row); torch sorts too; liger has none.
-    scratch = {"onca": 24 * t + 8 * (v + 1), "torch": 48 * t + 8 * v, "torch_compile": 48 * t + 8 * v,
-               "liger": 0}[provider]
+    # The output and its gradient, the dense weight gradient, and scratch: onca sorts the indices
+    # (values, permutation, each run's end) and keeps two fp32 rows per chunk of sorted tokens for
+    # the runs that cross chunks; torch sorts too; liger has none.
+    chunks = -(-t // 16)  # onca.ops.embedding.RUN_CHUNK
+    scratch = {"onca": 24 * t + chunks * (8 * h + 8), "torch": 48 * t + 8 * v,
+               "torch_compile": 48 * t + 8 * v, "liger": 0}[provider]
     return inputs + 2 * out + v * h * b + scratch
 
 
