@@ -222,6 +222,14 @@ def test_d2_plans_fit_every_profile(profile_name, dtype):
         assert p.rows == tokens and p.row_blocks * p.block_rows >= tokens
 
 
+def test_gpu_programs_have_at_most_eight_warps():
+    """A 128-head tile (Llama-3.1-405B) gets 8 warps, not the planner's 16; narrower tiles keep theirs."""
+    for name in ("h100", "h200"):
+        wide = op.tiles(8192, 128, 8, 128, 128, torch.bfloat16, PROFILES[name]).plan
+        assert wide.num_warps == op.MAX_WARPS == 8
+        assert op.tiles(8192, 32, 8, 128, 128, torch.bfloat16, PROFILES[name]).plan.num_warps == 4
+
+
 def test_plan_shapes():
     plans = op.plan((4, 2048, 32, 8, 128), torch.bfloat16, PROFILES["ascend910b4"])
     assert set(plans) == {"forward", "backward"} and plans["forward"].rows == 4 * 2048
