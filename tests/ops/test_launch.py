@@ -100,7 +100,8 @@ def test_key_is_never_coarser_than_tritons_specialization(cuda_like):
         samples.append((x, y, 3, 5, scale, flag))
     seen = {}
     for args in samples:
-        for kwargs in ({"BLOCK": 64}, {"BLOCK": 64, "num_warps": 8}, {"BLOCK": 128, "MODE": 3}):
+        for kwargs in ({"BLOCK": 64}, {"BLOCK": 64, "num_warps": 8}, {"BLOCK": 128, "MODE": 3},
+                       {"BLOCK": 64, "debug": True, "sanitize_overflow": False}):
             key = specialization_key(0, args, kwargs)
             assert key is not None
             _, specialization, options = binder(*args, **kwargs)
@@ -118,6 +119,8 @@ def test_direct_launch_passes_what_triton_passes(cuda_like):
         ((x, y, 7, 32, 0.25, False), {"BLOCK": 64, "num_warps": 4}, (3,)),
         ((x, y, 1, 33, 2.0, True), {"BLOCK": 128, "MODE": 5}, (2, 5)),
         ((y, x, 2**33, 16, 1.0, True), {"BLOCK": 64}, (1, 2, 3)),
+        # The embedding's device-side assertions: compile options, launched directly too.
+        ((x, y, 7, 32, 0.25, False), {"BLOCK": 64, "debug": True, "sanitize_overflow": False}, (3,)),
     ):
         launches.clear()
         kernel[grid](*args, **kwargs)  # compiles (here: the stand-in) and launches through Triton

@@ -40,7 +40,10 @@ __all__ = ["FastLaunch", "fast_launch", "specialization_key", "through_triton"]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _UINT64_MIN = 1 << 63
-_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"})
+# Launch options that are compile options (in the key by value, never passed to the compiled kernel):
+# debug and sanitize_overflow are how the embedding compiles its device-side index assertion in.
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl",
+                      "debug", "sanitize_overflow"})
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _SLOW = object()  # a cache entry meaning: this specialization launches through Triton
 
