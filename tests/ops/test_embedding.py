@@ -205,11 +205,13 @@ def test_default_out_of_range_index_is_masked(device, deterministic):
     if device == "cuda":
         pytest.skip("on CUDA an out-of-range index trips the kernel's device-side assertion")
     weight = randn(50, 16, device=device, requires_grad=True)
-    idx = torch.tensor([[0, -3, 7], [50, 7, 10**6]], device=device)
+    # 2**32 + 7 and -2**32 + 7 are 7 in 32 bits: the backward's int32 keys must not alias them.
+    idx = torch.tensor([[0, -3, 7, 2**32 + 7], [50, 7, 10**6, -2**32 + 7]], device=device)
     y = embedding(idx, weight, deterministic=deterministic)
     assert torch.equal(y[0, 1], torch.zeros(16, device=device)) and torch.equal(y[1, 0], y[0, 1])
     assert torch.equal(y[1, 2], y[0, 1]) and torch.equal(y[0, 2], weight[7].detach())
-    dy = randn(2, 3, 16, device=device)
+    assert torch.equal(y[0, 3], y[0, 1]) and torch.equal(y[1, 3], y[0, 1])
+    dy = randn(2, 4, 16, device=device)
     y.backward(dy)
     expected = torch.zeros(50, 16, device=device)
     expected[0] = dy[0, 0]
