@@ -230,6 +230,13 @@ def test_gpu_programs_have_at_most_eight_warps():
         assert op.tiles(8192, 32, 8, 128, 128, torch.bfloat16, PROFILES[name]).plan.num_warps == 4
 
 
+def test_gpu_programs_step_over_heads_eight_at_a_time():
+    for name in ("h100", "h200"):
+        t = op.tiles(8192, 32, 8, 128, 128, torch.bfloat16, PROFILES[name])
+        assert (t.block_hq, t.block_hk) == (op.GPU_HEAD_BLOCK, op.GPU_HEAD_BLOCK) == (8, 8)
+        assert op.tiles(8192, 4, 2, 128, 128, torch.bfloat16, PROFILES[name]).block_hq == 4
+
+
 def test_plan_shapes():
     plans = op.plan((4, 2048, 32, 8, 128), torch.bfloat16, PROFILES["ascend910b4"])
     assert set(plans) == {"forward", "backward"} and plans["forward"].rows == 4 * 2048
