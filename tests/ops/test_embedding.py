@@ -97,10 +97,8 @@ def test_column_tiled_path(profile, device, onchip_bytes, dtype, deterministic):
     n, dim = 13, (1000 if SCALE == "cpu" else 8192)
     plans = op.plan((45, n, dim), dtype, forced)
     assert all(p.col_tiles > 1 for p in plans.values()), plans
-    # One-row tiles: the gather and atomic kernels' scalar-address path (the one triton-ascend can
-    # lower); the sorted backward always gathers RUN_CHUNK rows.
-    assert all(p.block_rows == 1 for kind, p in plans.items() if kind != "bwd_sorted"), plans
-    assert plans["bwd_sorted"].block_rows == op.RUN_CHUNK
+    # One-row tiles: every kernel's scalar-address path (the one triton-ascend can lower).
+    assert all(p.block_rows == 1 for p in plans.values()), plans
     check(_indices((5, 9), n, device), randn(n, dim, dtype=dtype, device=device), 2, deterministic)
 
 
@@ -131,7 +129,7 @@ def test_sorted_backward_joins_runs_across_chunks(monkeypatch, device, dtype, sc
     monkeypatch.setattr(op, "RUN_CHUNK", 4)
     monkeypatch.setattr(op, "JOIN", 2)  # a 30-token run: its pieces joined over several steps
     monkeypatch.setattr(op, "FEW_TOKENS", 0)
-    assert op.plan((70, 9, 48), torch.float32)["bwd_sorted"].block_rows == 4
+    assert op.plan((70, 9, 48), torch.float32)["bwd_sorted"].rows == 18  # chunks of 4 tokens
     n, dim = 9, 48
     # Sorted: 0 x1 | 1 x3 (ends at the first chunk's end) | 2 x4 (one whole chunk) | 3 x30 | ...
     runs = {0: 1, 1: 3, 2: 4, 3: 30, 4: 1, 5: 5, 7: 2, 8: 9}

@@ -59,7 +59,7 @@ from torch import Tensor
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_same_device
-from onca.tiling import RowPlan, TilingError, next_power_of_2, plan_rows
+from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 
@@ -68,10 +68,13 @@ __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 # atomics; an int64 tile is counted as two fp32 tiles.
 FORWARD_TILES = dict(live_tiles=1, fp32_tiles=4)  # the gathered rows; load and store addresses
 ATOMIC_TILES = dict(live_tiles=1, fp32_tiles=5)  # dy rows, their fp32 values; dy and dW addresses
-# The sorted backward's programs hold one dy row tile, its fp32 sum and scaled sum, and the int64
-# addresses of the row and of the stores (two fp32 tiles each); the second kernel, JOIN fp32 rows
-# of pieces and their addresses.
-RUNS_TILES = dict(live_tiles=1, fp32_tiles=6)
+# The sorted backward's programs: the walk holds one dy row tile, its fp32 sum and scaled sum, and
+# the int64 addresses of the row and of the stores (two fp32 tiles each); the join, JOIN fp32 rows of
+# pieces and their int64 addresses (3 * JOIN fp32 tiles), the larger. One chunk per program (block
+# rows 1); at most 1024 columns, which the planner halves for wider rows: 512-column tiles were
+# measured faster than 1024 and 4096 on an H100 (bf16, hidden 4096: more programs walk their
+# chunks side by side).
+RUNS_TILES = dict(live_tiles=1, fp32_tiles=3 * 8, max_block_rows=1, max_block_cols=1024)
 FEW_TOKENS_TILES = dict(live_tiles=1, fp32_tiles=2)  # one dy row, its fp32 sum
 
 # Up to this many tokens the deterministic backward skips the sort: each token's program compares
@@ -84,7 +87,7 @@ FEW_TOKENS = 64
 # summed in pieces, joined by a second kernel JOIN pieces at a time, so that no program walks a
 # long run (a padding token that fills half a batch) alone.
 RUN_CHUNK = 32
-JOIN = 8
+JOIN = 8  # RUNS_TILES counts its tile
 
 
 class IndexOutOfRangeError(IndexError, ValueError):
@@ -325,36 +328,9 @@ def _cached_tile_plan(rows: int, cols: int, dtype: torch.dtype, tiles: tuple, pr
 
 
 def _runs_plan(tokens: int, cols: int, dtype: torch.dtype, profile: DeviceProfile | None) -> RowPlan:
-    """The sorted backward's programs: ``RUN_CHUNK`` sorted tokens each (``block_rows``), in column
-    tiles of ``block_cols``. Its largest tile is the joining kernel's ``JOIN`` fp32 rows."""
-    return _cached_runs_plan(tokens, cols, dtype, profile or get_profile(), RUN_CHUNK, JOIN)
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_runs_plan(tokens: int, cols: int, dtype: torch.dtype, profile: DeviceProfile, chunk: int,
-                      join: int) -> RowPlan:
-    itemsize = dtype.itemsize
-    walk = RUNS_TILES["live_tiles"] * itemsize + RUNS_TILES["fp32_tiles"] * 4
-    per_col = max(walk, join * (4 + 8))  # JOIN fp32 pieces and their int64 addresses
-    widest = profile.onchip_bytes // per_col
-    if profile.tile_elements:
-        # Measured on an H100 (bf16, hidden 4096): 512-column tiles beat 1024 and 4096 (more
-        # programs walk their chunks side by side).
-        widest = min(widest, profile.tile_elements // 4)
-    min_block = next_power_of_2(-(-profile.align_bytes // itemsize))
-    block_cols = max(min_block, min(next_power_of_2(cols), next_power_of_2(widest + 1) // 2))
-    if block_cols * per_col > profile.onchip_bytes:
-        raise TilingError(f"{join} rows of {block_cols} fp32 columns do not fit the "
-                          f"{profile.onchip_bytes}-byte on-chip budget of profile {profile.name!r}")
-    col_tiles = -(-cols // block_cols)
-    row_blocks = -(-tokens // chunk)
-    tiles = row_blocks * col_tiles
-    return RowPlan(
-        rows=tokens, cols=cols, block_rows=chunk, block_cols=block_cols, col_tiles=col_tiles,
-        row_blocks=row_blocks, grid=min(tiles, profile.compute_units) if profile.persistent else tiles,
-        num_warps=4 if profile.kind == "cuda" else 1, tile_bytes=block_cols * per_col,
-        onchip_bytes=profile.onchip_bytes, persistent=profile.persistent, profile=profile.name,
-    )
+    """The sorted backward's plan: its rows are the chunks of ``RUN_CHUNK`` sorted tokens, one per
+    program and column tile."""
+    return _tile_plan(-(-tokens // RUN_CHUNK), cols, dtype, RUNS_TILES, profile)
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
@@ -462,10 +438,10 @@ def _backward_sorted(indices, dy, dw, padding_idx: int, scale_grad_by_freq: bool
     # A stable sort keeps equal indices in token order, so each run sums in a fixed order.
     sorted_indices, perm = torch.sort(indices, stable=True)
     p = _runs_plan(n_tokens, dim, dw.dtype, None)
-    n_chunks = p.row_blocks
+    n_chunks = p.rows
     part = torch.empty((n_chunks, 2, dim), dtype=torch.float32, device=dy.device)
     tail_start = torch.empty((n_chunks,), dtype=torch.int64, device=dy.device)
-    options = dict(SCALE_BY_FREQ=scale_grad_by_freq, CHUNK=p.block_rows, BLOCK_COLS=p.block_cols,
+    options = dict(SCALE_BY_FREQ=scale_grad_by_freq, CHUNK=RUN_CHUNK, BLOCK_COLS=p.block_cols,
                    COL_TILES=p.col_tiles, num_warps=p.num_warps)
     _embedding_backward_runs_kernel[(p.grid,)](
         sorted_indices, perm, dy, dw, part, tail_start,
