@@ -14,10 +14,9 @@ accumulating in fp32, by one of two kernels:
   under ``torch.use_deterministic_algorithms(True)``): the flat indices are sorted on the device
   (a stable ``torch.sort``; every size is known from the shapes, so no host synchronisation), which
   groups each index's tokens into one run of sorted positions, in token order. The gradient starts
-  at zero; one kernel takes the sorted positions in chunks of ``RUN_CHUNK``, gathers the chunk's
-  output-gradient rows at once, sums each run with a segmented scan in fp32 (a fixed order), and
-  stores every run that starts and ends in the chunk into its weight row, each row by exactly one
-  program. The pieces of runs that cross a chunk boundary go to an fp32 scratch of two rows per
+  at zero; one kernel takes the sorted positions in chunks of ``RUN_CHUNK``, each program walking
+  its chunk and summing each run's output-gradient rows in token order in fp32, and stores every
+  run that starts and ends in the chunk into its weight row, each row by exactly one program. The pieces of runs that cross a chunk boundary go to an fp32 scratch of two rows per
   chunk, and a second kernel adds each such run's pieces in chunk order (``JOIN`` at a time) and
   stores the row. No atomics, so the result is bitwise reproducible; and no program walks a long
   run alone, so a frequent index (a padding token filling half a batch, Zipf-distributed text)
@@ -68,13 +67,6 @@ __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 # atomics; an int64 tile is counted as two fp32 tiles.
 FORWARD_TILES = dict(live_tiles=1, fp32_tiles=4)  # the gathered rows; load and store addresses
 ATOMIC_TILES = dict(live_tiles=1, fp32_tiles=5)  # dy rows, their fp32 values; dy and dW addresses
-# The sorted backward's programs: the walk holds one dy row tile, its fp32 sum and scaled sum, and
-# the int64 addresses of the row and of the stores (two fp32 tiles each); the join, JOIN fp32 rows of
-# pieces and their int64 addresses (3 * JOIN fp32 tiles), the larger. One chunk per program (block
-# rows 1); at most 1024 columns, which the planner halves for wider rows: 512-column tiles were
-# measured faster than 1024 and 4096 on an H100 (bf16, hidden 4096: more programs walk their
-# chunks side by side).
-RUNS_TILES = dict(live_tiles=1, fp32_tiles=3 * 8, max_block_rows=1, max_block_cols=1024)
 FEW_TOKENS_TILES = dict(live_tiles=1, fp32_tiles=2)  # one dy row, its fp32 sum
 
 # Up to this many tokens the deterministic backward skips the sort: each token's program compares
@@ -87,7 +79,15 @@ FEW_TOKENS = 64
 # summed in pieces, joined by a second kernel JOIN pieces at a time, so that no program walks a
 # long run (a padding token that fills half a batch) alone.
 RUN_CHUNK = 32
-JOIN = 8  # RUNS_TILES counts its tile
+JOIN = 8
+
+# The sorted backward's programs: the walk holds one dy row tile, its fp32 sum and scaled sum, and
+# the int64 addresses of the row and of the stores (two fp32 tiles each); the join, JOIN fp32 rows of
+# pieces and their int64 addresses (3 * JOIN fp32 tiles), the larger. One chunk per program (block
+# rows 1); at most 1024 columns, which the planner halves for wider rows: 512-column tiles were
+# measured faster than 1024 and 4096 on an H100 (bf16, hidden 4096: more programs walk their
+# chunks side by side).
+RUNS_TILES = dict(live_tiles=1, fp32_tiles=3 * JOIN, max_block_rows=1, max_block_cols=1024)
 
 
 class IndexOutOfRangeError(IndexError, ValueError):
