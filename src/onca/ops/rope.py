@@ -315,11 +315,10 @@ def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile) 
     half_pad = next_power_of_2(half)
     heads = max(n_q_heads, n_kv_heads)
     p = plan_rows(tokens, heads * half_pad, dtype, profile=profile, **TILES)
-    if profile.kind == "cuda" and p.num_warps > MAX_WARPS:
-        p = dataclasses.replace(p, num_warps=MAX_WARPS)
     block_j = min(half_pad, p.block_cols)
     block_h = p.block_cols // block_j
-    if profile.kind == "cuda":
+    if profile.kind == "cuda":  # the two GPU measurements above
+        p = dataclasses.replace(p, num_warps=min(p.num_warps, MAX_WARPS))
         block_h = min(block_h, GPU_HEAD_BLOCK)
     pass_cols = head_dim - rotary_dim
     itemsize = dtype.itemsize
