@@ -350,6 +350,27 @@ def test_below_peers_lists_the_points_where_onca_loses():
     assert "d1 1: 0.50x torch" in text and "d1 2" not in text
 
 
+def test_below_peers_counts_the_points_at_the_copy_bandwidth_limit():
+    """A point where onca is behind but already moves its bytes at 85% or more of the copy
+    bandwidth is counted as at the limit, and every behind point shows onca's share."""
+    from onca.bench.report import below_peers
+
+    def row(provider, x, value, pct=math.nan):
+        return {"kernel_name": "op", "sweep": "d1", "x_value": x, "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": "speed", "kernel_provider": provider, "y_value_50": value,
+                "pct_of_copy": pct}
+
+    rows = [row("onca", 1, 1.02, 97.6), row("torch_compile", 1, 1.0, 99.5),  # behind, at the limit
+            row("onca", 2, 2.0, 42.0), row("liger", 2, 1.0, 84.0),  # behind, far from it
+            row("onca", 3, 2.0), row("liger", 3, 1.0),  # behind, no bytes model
+            row("onca", 4, 1.0, 90.0), row("liger", 4, 2.0, 45.0)]  # ahead: not listed
+    lines = below_peers(rows).splitlines()
+    assert lines[0].startswith("op: below the fastest peer at 3 of 4 points (1 of them at the copy-bandwidth limit);")
+    assert lines[1:] == ["    d1 1: 0.98x torch_compile (onca at 98% of copy bandwidth)",
+                         "    d1 2: 0.50x liger (onca at 42% of copy bandwidth)",
+                         "    d1 3: 0.50x liger"]
+
+
 def test_below_peers_never_compares_two_gpus():
     """Onca's H100 run is compared with the H100 peers only, and the stale H200 sweep gets its own
     line: without the GPU in the key, the H200 torch row (the faster one) would be the H100 point's

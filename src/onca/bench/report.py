@@ -150,15 +150,22 @@ def overhead_summary(rows: list[dict], mode: str = "full") -> str:
 # reported beside onca, never counted as the fastest peer.
 LIMIT_SUFFIX = "_limit"
 
+# A memory-bound pass at this share of the measured device-to-device copy bandwidth (the bytes it
+# must move over its time) is at the hardware's limit: a peer ahead of it there is within the
+# noise of that limit, not a kernel to beat (issue 13's criterion).
+AT_COPY_LIMIT_PCT = 85.0
+
 
 def below_peers(rows: list[dict], mode: str = "full") -> str:
     """Per kernel and GPU, over every D1/D2 point of ``mode``: how many points onca is below the
-    fastest peer (its time / onca's below 1), each such point with that ratio and the peer, and
-    onca's largest peak memory relative to liger-kernel's. A ratio only ever compares rows of one
-    GPU; a kernel measured on two GPUs gets a line for each (the newest onca run's GPU first).
-    Empty if there are no such records."""
+    fastest peer (its time / onca's below 1), each such point with that ratio, the peer and onca's
+    share of the copy bandwidth where known, how many of those points onca is at the copy-bandwidth
+    limit (``AT_COPY_LIMIT_PCT``), and onca's largest peak memory relative to liger-kernel's. A
+    ratio only ever compares rows of one GPU; a kernel measured on two GPUs gets a line for each
+    (the newest onca run's GPU first). Empty if there are no such records."""
     speed: dict[tuple, dict[str, float]] = {}
     memory: dict[tuple, dict[str, float]] = {}
+    copy_pct: dict[tuple, float] = {}  # onca's share of the copy bandwidth, per speed point
     newest: dict[tuple, str] = {}
     for r in rows:
         if r["sweep"] not in ("d1", "d2") or r["kernel_operation_mode"] != mode or r["status"] != "ok":
@@ -167,27 +174,36 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
         if table_ is None:
             continue
         where = (r["kernel_name"], r.get("gpu_name", ""))
-        table_.setdefault((*where, r["sweep"], str(r["x_value"])), {})[r["kernel_provider"]] = r["y_value_50"]
+        key = (*where, r["sweep"], str(r["x_value"]))
+        table_.setdefault(key, {})[r["kernel_provider"]] = r["y_value_50"]
         if r["kernel_provider"] == "onca":
             newest[where] = max(newest.get(where, ""), r.get("timestamp", ""))
+            pct = r.get("pct_of_copy")
+            if table_ is speed and isinstance(pct, float) and not math.isnan(pct):
+                copy_pct[key] = pct
     lines = []
     # Per kernel (a stable sort by name), its GPUs from the newest onca run to the oldest.
     order = sorted(sorted(newest, key=newest.get, reverse=True), key=lambda where: where[0])
     for op, gpu in order:
         points = [(k, v) for k, v in speed.items() if k[:2] == (op, gpu) and "onca" in v
                   and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
-        behind = []
-        for (_, _, sweep, x), times in points:
+        behind, at_limit = [], 0
+        for key, times in points:
             peers = [(p, t) for p, t in times.items() if p != "onca" and not p.endswith(LIMIT_SUFFIX)]
             peer, best = min(peers, key=lambda pt: pt[1])
             if best < times["onca"]:
-                behind.append(f"{sweep} {x}: {best / times['onca']:.2f}x {peer}")
+                pct = copy_pct.get(key)
+                at_limit += pct is not None and pct >= AT_COPY_LIMIT_PCT
+                bandwidth = "" if pct is None else f" (onca at {pct:.0f}% of copy bandwidth)"
+                behind.append(f"{key[2]} {key[3]}: {best / times['onca']:.2f}x {peer}{bandwidth}")
         ratios = [m["onca"] / m["liger"] for k, m in memory.items()
                   if k[:2] == (op, gpu) and m.get("onca") and m.get("liger")]
         memory_note = (f"peak memory at most {max(ratios):.2f}x liger's" if ratios
                        else "no liger-kernel memory to compare")
         on = f" on {short_gpu_name(gpu)} ({newest[(op, gpu)][:10]})" if gpu else ""
-        lines.append(f"{op}{on}: below the fastest peer at {len(behind)} of {len(points)} points; {memory_note}")
+        limit_note = f" ({at_limit} of them at the copy-bandwidth limit)" if at_limit else ""
+        lines.append(f"{op}{on}: below the fastest peer at {len(behind)} of {len(points)} points{limit_note}; "
+                     f"{memory_note}")
         lines += [f"    {b}" for b in behind]
     return "\n".join(lines)
 
