@@ -33,6 +33,13 @@ KERNELS_ONLY = ("fused_add_rms_norm", "geglu", "group_norm", "layer_norm", "neig
                 "rms_norm", "softmax", "sparsemax", "swiglu")
 
 
+# The torch kernels a kernels-only op's benchmark step still runs, and why. Fused add + RMSNorm's
+# x and residual get one gradient: the benchmark makes both leaves, and two leaves' .grad must not
+# share storage, so autograd copies it for one of them (in a model x and residual are not leaves,
+# and nothing is copied).
+BESIDE_KERNELS = {"fused_add_rms_norm": ["aten::copy_"]}
+
+
 # Ops whose torch kernels beside their own are bounded: mHC's coefficients ran ~640 small torch
 # kernels per step (the Sinkhorn loop, forward and walked back) before their own two kernels; the
 # rest are its matmuls, casts and the benchmark layer's own ops.
@@ -45,6 +52,30 @@ def test_launches_per_step(op):
     assert launches == LAUNCHES[op], f"{op}: {launches} launches per forward + backward, the table says {LAUNCHES[op]}"
     assert HOST_SYNC not in kernels, f"{op} reads a device value on the host"
     if op in KERNELS_ONLY:
-        assert kernels == [], f"{op} launches torch kernels beside its own: {kernels}"
+        assert kernels == BESIDE_KERNELS.get(op, []), f"{op} launches torch kernels beside its own: {kernels}"
     if op in MAX_TORCH_KERNELS:
         assert len(kernels) <= MAX_TORCH_KERNELS[op], f"{op} launches {len(kernels)} torch kernels: {kernels}"
+
+
+def _norm_calls():
+    from onca.ops.fused_add_rms_norm import fused_add_rms_norm
+    from onca.ops.layer_norm import layer_norm
+    from onca.ops.rms_norm import rms_norm
+
+    return {"rms_norm": lambda x, w: rms_norm(x, w), "layer_norm": lambda x, w: layer_norm(x, w),
+            "fused_add_rms_norm": lambda x, w: fused_add_rms_norm(x, x.detach().clone(), w)[0]}
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+def test_norms_take_their_input_whole(op):
+    """A 3-D input reaches the norm's autograd node as it is: no view node before or after it (the
+    reshape to rows happens inside the op, where autograd records nothing). Each view node is one
+    more op on the host in the forward and one more node for the engine in the backward."""
+    import torch
+
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    y = _norm_calls()[op](x, w)
+    assert y.shape == x.shape
+    assert y.grad_fn.name().startswith(f"{op}_forward_function"), y.grad_fn.name()
+    assert {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None} <= {"AccumulateGrad"}

@@ -20,12 +20,14 @@ storage of the incoming gradient of the normalised output.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._rows import as_rows
+from onca.ops._rows import rows_ready
 from onca.ops._validate import check_float, check_same_device
 from onca.ops.rms_norm import (
     CASTING_MODES,
@@ -53,14 +55,14 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 @custom_op("fused_add_rms_norm_forward")
 def fused_add_rms_norm_forward(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
                                casting: int, overwrite_grad_output: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, h, rstd)`` for the 2-D ``x`` and ``residual``. ``overwrite_grad_output`` is the
-    backward's (see ``fused_add_rms_norm``)."""
+    """``(y, h, rstd)`` for ``x`` and ``residual`` of one shape (any leading dimensions).
+    ``overwrite_grad_output`` is the backward's (see ``fused_add_rms_norm``)."""
     return launch_rms_norm_forward(x, residual, weight, eps, offset, casting)
 
 
 @fused_add_rms_norm_forward.register_fake
 def _(x, residual, weight, eps, offset, casting, overwrite_grad_output):
-    return torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
 @custom_op("fused_add_rms_norm_backward")
@@ -77,7 +79,7 @@ def fused_add_rms_norm_backward(dy: Tensor, dres: Tensor | None, h: Tensor, weig
 
 @fused_add_rms_norm_backward.register_fake
 def _(dy, dres, h, weight, rstd, offset, casting, overwrite_grad_output):
-    return torch.empty_like(h), torch.empty_like(weight)
+    return h.new_empty(h.shape), torch.empty_like(weight)
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -97,10 +99,8 @@ def _backward(ctx, dy, dres, _drstd):
         # Only the residual output was used: the normalised path contributes nothing.
         dw = torch.zeros_like(weight)
         return dres, dres, dw, None, None, None, None
-    dres = None if dres is None else as_rows(dres)
     overwrite = may_overwrite(ctx.overwrite_grad_output, dy, h)
-    dx, dw = fused_add_rms_norm_backward(as_rows(dy), dres, h, weight, rstd, ctx.offset, ctx.casting,
-                                         overwrite)
+    dx, dw = fused_add_rms_norm_backward(dy, dres, h, weight, rstd, ctx.offset, ctx.casting, overwrite)
     return dx, dx, dw, None, None, None, None
 
 
@@ -138,6 +138,6 @@ def fused_add_rms_norm(
     check_same_device(residual, "residual", x, "x")
     validate_weight(weight, x)
     casting = validate_options(x, eps, offset, casting_mode, overwrite_grad_output)
-    y, h, _ = fused_add_rms_norm_forward(as_rows(x), as_rows(residual), weight.contiguous(), float(eps),
+    y, h, _ = fused_add_rms_norm_forward(rows_ready(x), rows_ready(residual), weight.contiguous(), float(eps),
                                          float(offset), casting, overwrite_grad_output)
-    return y.view(x.shape), h.view(x.shape)
+    return y, h

@@ -28,6 +28,8 @@ registers and adds them to partial rows it shares with at most one other program
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
-from onca.ops._rows import as_rows
+from onca.ops._rows import as_rows, new_rows, rows_ready
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan
 
@@ -270,18 +272,20 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 @custom_op("layer_norm_forward")
 def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                        eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, mean, rstd)`` for the 2-D ``x``; ``mean`` and ``rstd`` are fp32, one per row."""
+    """``(y, mean, rstd)`` for ``x`` of any leading shape; ``mean`` and ``rstd`` are fp32, one per
+    row. The op takes ``x`` whole: a reshape outside it would add autograd view nodes."""
+    y, y_rows = new_rows(x)
+    x = as_rows(x)
     rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    mean = x.new_empty(rows, dtype=torch.float32)
+    rstd = x.new_empty(rows, dtype=torch.float32)
     if rows == 0:
         return y, mean, rstd
     # An absent weight or bias is never read (HAS_WEIGHT / HAS_BIAS); x stands in for its pointer.
     launch_forward(
         _layer_norm_forward_kernel,
-        (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd,
-         rows, cols, x.stride(0), y.stride(0), eps),
+        (x, x if weight is None else weight, x if bias is None else bias, y_rows, mean, rstd,
+         rows, cols, x.stride(0), y_rows.stride(0), eps),
         rows, cols, x.dtype, FORWARD_TILES,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
     )
@@ -290,17 +294,19 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None,
 
 @layer_norm_forward.register_fake
 def _(x, weight, bias, eps):
-    stat = x.new_empty(x.shape[0], dtype=torch.float32)
-    return torch.empty_like(x), stat, torch.empty_like(stat)
+    stat = x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
+    return x.new_empty(x.shape), stat, torch.empty_like(stat)
 
 
 @custom_op("layer_norm_backward")
 def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
                         rstd: Tensor, compute_dw: bool, compute_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)``; a parameter gradient not computed is empty. ``bias`` is read for its
-    dtype only (the backward does not need its values)."""
+    dtype only (the backward does not need its values). ``dy``, ``x`` and ``dx`` have any leading
+    shape, the same."""
+    dx, dx_rows = new_rows(x)
+    dy, x = as_rows(dy), as_rows(x)
     rows, cols = x.shape
-    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     dw_dtype = weight.dtype if compute_dw else None
     db_dtype = bias.dtype if compute_db else None
     if rows == 0:
@@ -310,8 +316,8 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
     else:
         dw, db = launch_backward(
             _layer_norm_backward_kernel,
-            (dy, x, x if weight is None else weight, mean, rstd, dx,
-             rows, cols, dy.stride(0), x.stride(0), dx.stride(0)),
+            (dy, x, x if weight is None else weight, mean, rstd, dx_rows,
+             rows, cols, dy.stride(0), x.stride(0), dx_rows.stride(0)),
             rows, cols, x.dtype, BACKWARD_TILES,
             # The column-tiled path keeps each row's mean(g * xhat) and mean(g) between its phases.
             grad_dtypes=(dw_dtype, db_dtype), row_stats=2, stand_in=rstd,
@@ -328,7 +334,7 @@ def _or_empty(grad: Tensor | None, x: Tensor) -> Tensor:
 def _(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
     dw = torch.empty_like(weight) if compute_dw else x.new_empty(0)
     db = torch.empty_like(bias) if compute_db else x.new_empty(0)
-    return torch.empty_like(x), dw, db
+    return x.new_empty(x.shape), dw, db
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -346,7 +352,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     compute_dw = weight is not None and ctx.needs_input_grad[1]
     compute_db = bias is not None and ctx.needs_input_grad[2]
-    dx, dw, db = layer_norm_backward(as_rows(dy), x, weight, bias, mean, rstd, compute_dw, compute_db)
+    dx, dw, db = layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
     return dx, dw if compute_dw else None, db if compute_db else None, None
 
 
@@ -391,5 +397,5 @@ def layer_norm(
     _validate(x, weight, bias, eps)
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    y, _, _ = layer_norm_forward(as_rows(x), weight, bias, float(eps))
-    return y.view(x.shape)
+    y, _, _ = layer_norm_forward(rows_ready(x), weight, bias, float(eps))
+    return y

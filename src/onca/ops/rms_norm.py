@@ -29,6 +29,8 @@ the partial rows are summed once at the end.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +41,7 @@ from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
-from onca.ops._rows import as_rows
+from onca.ops._rows import as_rows, new_rows, rows_ready
 from onca.ops._validate import check_bool, check_float, check_last_dim, check_number, check_same_device
 from onca.tiling import RowPlan
 
@@ -283,18 +285,21 @@ def _tiles(residual: bool) -> tuple[dict, dict]:
 
 def launch_rms_norm_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float,
                             offset: float, casting: int) -> tuple[Tensor, Tensor | None, Tensor]:
-    """``(y, h, rstd)`` for the 2-D ``x`` (``h = x + residual``, None without a residual)."""
+    """``(y, h, rstd)`` for ``x`` of any leading shape (``h = x + residual``, None without a
+    residual); ``y`` and ``h`` have ``x``'s shape, ``rstd`` one value per row."""
+    y, y_rows = new_rows(x)
+    h, h_rows = (None, None) if residual is None else new_rows(x)
+    x = as_rows(x)  # the op takes x whole: a reshape outside it would add autograd view nodes
     rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    h = None if residual is None else torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, h, rstd
     # An absent residual, h or weight is never touched (constexpr switches); x stands in for it.
-    r, h_out, w = (x if t is None else t for t in (residual, h, weight))
+    r = x if residual is None else as_rows(residual)
+    h_rows, w = (x if t is None else t for t in (h_rows, weight))
     launch_forward(
         _rms_norm_forward_kernel,
-        (x, r, w, y, h_out, rstd, rows, cols, x.stride(0), r.stride(0), y.stride(0), h_out.stride(0),
+        (x, r, w, y_rows, h_rows, rstd, rows, cols, x.stride(0), r.stride(0), y_rows.stride(0), h_rows.stride(0),
          eps, offset),
         rows, cols, x.dtype, _tiles(residual is not None)[0],
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
@@ -304,12 +309,15 @@ def launch_rms_norm_forward(x: Tensor, residual: Tensor | None, weight: Tensor |
 
 def launch_rms_norm_backward(dy: Tensor, dres: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
                              offset: float, casting: int, dx: Tensor, residual: bool) -> Tensor | None:
-    """Writes ``dx`` (plus ``dres`` where given) of the 2-D normalised input ``x``; returns ``dW`` in
-    the weight's dtype (None without a weight). ``residual``: plan as the fused residual add."""
+    """Writes ``dx`` (plus ``dres`` where given) of the normalised input ``x`` (any leading shape,
+    as ``dy``, ``dres`` and ``dx``); returns ``dW`` in the weight's dtype (None without a weight).
+    ``residual``: plan as the fused residual add."""
+    dy, x, dx = as_rows(dy), as_rows(x), as_rows(dx)
     rows, cols = x.shape
     if rows == 0:
         return None if weight is None else torch.zeros_like(weight)
-    d_r, w = (x if t is None else t for t in (dres, weight))
+    d_r = x if dres is None else as_rows(dres)
+    w = x if weight is None else weight
     (dw,) = launch_backward(
         _rms_norm_backward_kernel,
         (dy, d_r, x, w, rstd, dx, rows, cols, dy.stride(0), d_r.stride(0), x.stride(0), dx.stride(0), offset),
@@ -321,8 +329,14 @@ def launch_rms_norm_backward(dy: Tensor, dres: Tensor | None, x: Tensor, weight:
 
 
 def grad_output_buffer(dy: Tensor, x: Tensor, overwrite_grad_output: bool) -> Tensor:
-    """Where ``dx`` goes: ``dy``'s storage if the caller allowed it, else a new tensor."""
-    return dy if overwrite_grad_output else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    """Where ``dx`` goes: ``dy``'s storage if the caller allowed it, else a new tensor.
+
+    The reused storage is returned as a new tensor object (``detach``), not as ``dy`` itself:
+    autograd hands a gradient over to a leaf's ``.grad`` without a copy only when nothing else holds
+    the tensor object, and the caller of ``backward`` still holds ``dy``."""
+    if overwrite_grad_output:
+        return dy.detach()
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def may_overwrite(asked: bool, dy: Tensor, x: Tensor) -> bool:
@@ -334,15 +348,15 @@ def may_overwrite(asked: bool, dy: Tensor, x: Tensor) -> bool:
 @custom_op("rms_norm_forward")
 def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: int,
                      overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
-    """``(y, rstd)`` for the 2-D ``x``; ``rstd`` is fp32, one per row. ``overwrite_grad_output`` is
-    the backward's (see ``rms_norm``)."""
+    """``(y, rstd)`` for ``x`` of any leading shape; ``rstd`` is fp32, one per row.
+    ``overwrite_grad_output`` is the backward's (see ``rms_norm``)."""
     y, _, rstd = launch_rms_norm_forward(x, None, weight, eps, offset, casting)
     return y, rstd
 
 
 @rms_norm_forward.register_fake
 def _(x, weight, eps, offset, casting, overwrite_grad_output):
-    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
 @custom_op("rms_norm_backward")
@@ -357,7 +371,7 @@ def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
 
 @rms_norm_backward.register_fake
 def _(dy, x, weight, rstd, offset, casting, overwrite_grad_output):
-    return torch.empty_like(x), x.new_empty(0) if weight is None else torch.empty_like(weight)
+    return x.new_empty(x.shape), x.new_empty(0) if weight is None else torch.empty_like(weight)
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -374,7 +388,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     overwrite = may_overwrite(ctx.overwrite_grad_output, dy, x)
-    dx, dw = rms_norm_backward(as_rows(dy), x, weight, rstd, ctx.offset, ctx.casting, overwrite)
+    dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.casting, overwrite)
     return dx, None if weight is None else dw, None, None, None, None
 
 
@@ -430,5 +444,5 @@ def rms_norm(
         validate_weight(weight, x)
     casting = validate_options(x, eps, offset, casting_mode, overwrite_grad_output)
     weight = None if weight is None else weight.contiguous()
-    y, _ = rms_norm_forward(as_rows(x), weight, float(eps), float(offset), casting, overwrite_grad_output)
-    return y.view(x.shape)
+    y, _ = rms_norm_forward(rows_ready(x), weight, float(eps), float(offset), casting, overwrite_grad_output)
+    return y
