@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from onca.bench import harness
-from tools.host_path import HOST_SYNC, measure
+from tools.host_path import HOST_SYNC, measure, stubbed_launches
 
 LAUNCHES = {
     "attn_res": 2, "cross_entropy": 4, "dyt": 2, "embedding": 2, "fused_add_rms_norm": 2,
@@ -75,7 +75,8 @@ def test_norms_take_their_input_whole(op):
 
     x = torch.randn(2, 3, 8, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
-    y = _norm_calls()[op](x, w)
+    with stubbed_launches([0]):  # the graph's structure is the question, not the values: any machine
+        y = _norm_calls()[op](x, w)
     assert y.shape == x.shape
     assert y.grad_fn.name().startswith(f"{op}_forward_function"), y.grad_fn.name()
     assert {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None} <= {"AccumulateGrad"}

@@ -288,12 +288,12 @@ def test_functional_api(device):
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def test_leaf_gradients_of_x_and_residual_do_not_share_storage():
+def test_leaf_gradients_of_x_and_residual_do_not_share_storage(device):
     """x and residual receive one gradient; when both are leaves their .grad must be two tensors
     (an in-place change of one, e.g. accumulating a second backward, must not change the other)."""
-    x = torch.randn(4, 8, requires_grad=True)
-    residual = torch.randn(4, 8, requires_grad=True)
-    weight = torch.randn(8, requires_grad=True)
+    x = randn(4, 8, device=device, requires_grad=True)
+    residual = randn(4, 8, device=device, requires_grad=True)
+    weight = randn(8, device=device, requires_grad=True)
     for overwrite in (False, True):
         x.grad = residual.grad = None
         y, _ = fused_add_rms_norm(x, residual, weight, overwrite_grad_output=overwrite)
