@@ -144,6 +144,20 @@ def test_overwrite_grad_output_reuses_dy(device):
     assert torch.equal(dx, dx_expected) and torch.equal(dw, dw_expected)
 
 
+def test_backward_op_asked_to_overwrite_a_strided_or_other_dtype_dy_allocates(device):
+    """The registered backward op, called directly with overwrite_grad_output=True, still gives the
+    right dx where dy cannot take it: a strided dy (its rows would be a copy the kernel writes to)
+    or one of another dtype."""
+    x = randn(6, 40, dtype=torch.bfloat16, device=device)
+    w = randn(40, dtype=torch.bfloat16, device=device)
+    _, rstd = op.rms_norm_forward(x, w, 1e-6, 0.0, 0, False)
+    dy = randn(6, 80, dtype=torch.bfloat16, device=device)[:, ::2]
+    expected, _ = op.rms_norm_backward(dy.contiguous(), x, w, rstd, 0.0, 0, False)
+    for grad in (dy, dy.float().contiguous()):
+        dx, _ = op.rms_norm_backward(grad, x, w, rstd, 0.0, 0, True)
+        assert dx.dtype == x.dtype and torch.equal(dx, expected)
+
+
 def test_does_not_modify_caller_tensors(device):
     x = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)
     w = randn(BASE_SHAPE[-1], dtype=torch.bfloat16, device=device)

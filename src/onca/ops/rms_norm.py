@@ -334,7 +334,8 @@ def grad_output_buffer(dy: Tensor, x: Tensor, overwrite_grad_output: bool) -> Te
     The reused storage is returned as a new tensor object (``detach``), not as ``dy`` itself:
     autograd hands a gradient over to a leaf's ``.grad`` without a copy only when nothing else holds
     the tensor object, and the caller of ``backward`` still holds ``dy``."""
-    if overwrite_grad_output:
+    # Only where the kernel's dx rows are dy's own (a strided dy's rows would be a copy).
+    if overwrite_grad_output and dy.is_contiguous() and dy.dtype == x.dtype:
         return dy.detach()
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
