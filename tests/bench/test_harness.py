@@ -371,6 +371,23 @@ def test_below_peers_counts_the_points_at_the_copy_bandwidth_limit():
                          "    d1 3: 0.50x liger"]
 
 
+def test_below_peers_keeps_two_sweeps_with_one_x_value_apart():
+    """A D1 sweep over tokens and one over hidden sizes both have a 1024 point: two points, never
+    one point whose providers come from either."""
+    from onca.bench.report import below_peers
+
+    def row(provider, x_name, value):
+        return {"kernel_name": "op", "sweep": "d1", "x_name": x_name, "x_value": 1024,
+                "kernel_operation_mode": "full", "status": "ok", "metric_name": "speed",
+                "kernel_provider": provider, "y_value_50": value}
+
+    rows = [row("onca", "tokens", 2.0), row("torch", "tokens", 1.0),
+            row("onca", "hidden", 1.0), row("torch", "hidden", 4.0)]
+    lines = below_peers(rows).splitlines()
+    assert lines == ["op: below the fastest peer at 1 of 2 points; no liger-kernel memory to compare",
+                     "    d1 tokens 1024: 0.50x torch"]
+
+
 def test_below_peers_never_compares_two_gpus():
     """Onca's H100 run is compared with the H100 peers only, and the stale H200 sweep gets its own
     line: without the GPU in the key, the H200 torch row (the faster one) would be the H100 point's

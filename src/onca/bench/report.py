@@ -174,7 +174,9 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
         if table_ is None:
             continue
         where = (r["kernel_name"], r.get("gpu_name", ""))
-        key = (*where, r["sweep"], str(r["x_value"]))
+        # The x name is part of the point: D1 sweeps over tokens and over hidden both have a 1024.
+        x = f"{r['x_name']} {r['x_value']}" if r.get("x_name") else str(r["x_value"])
+        key = (*where, r["sweep"], x)
         table_.setdefault(key, {})[r["kernel_provider"]] = r["y_value_50"]
         if r["kernel_provider"] == "onca":
             newest[where] = max(newest.get(where, ""), r.get("timestamp", ""))
