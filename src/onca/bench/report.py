@@ -204,8 +204,8 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
                        else "no liger-kernel memory to compare")
         on = f" on {short_gpu_name(gpu)} ({newest[(op, gpu)][:10]})" if gpu else ""
         limit_note = f" ({at_limit} of them at the copy-bandwidth limit)" if at_limit else ""
-        lines.append(f"{op}{on}: below the fastest peer at {len(behind)} of {len(points)} points{limit_note}; "
-                     f"{memory_note}")
+        lines.append(f"{op}{on}: below the fastest peer at {len(behind)} of {len(points)} points"
+                     f"{limit_note}; {memory_note}")
         lines += [f"    {b}" for b in behind]
     return "\n".join(lines)
 

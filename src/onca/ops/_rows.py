@@ -6,7 +6,8 @@ import math
 
 import torch
 
-__all__ = ["as_rows", "as_rows_over", "from_rows_over", "new_rows", "rows_cols", "rows_ready", "views_as_rows"]
+__all__ = ["as_rows", "as_rows_over", "from_rows_over", "new_rows", "rows_cols", "rows_ready",
+           "views_as_rows"]
 
 
 def rows_cols(shape) -> tuple[int, int]:

@@ -15,16 +15,17 @@ accumulating in fp32, by one of two kernels:
   (a stable ``torch.sort``; every size is known from the shapes, so no host synchronisation), which
   groups each index's tokens into one run of sorted positions, in token order. The gradient starts
   at zero; one kernel takes the sorted positions in chunks of ``RUN_CHUNK``, each program walking
-  its chunk and summing each run's output-gradient rows in token order in fp32, and stores every
-  run that starts and ends in the chunk into its weight row, each row by exactly one program. The pieces of runs that cross a chunk boundary go to an fp32 scratch of two rows per
-  chunk, and a second kernel adds each such run's pieces in chunk order (``JOIN`` at a time) and
-  stores the row. No atomics, so the result is bitwise reproducible; and no program walks a long
-  run alone, so a frequent index (a padding token filling half a batch, Zipf-distributed text)
-  costs what uniform indices cost. Atomics into a bf16/fp16 gradient would accumulate in 16 bits
-  (frequent tokens lose precision) and an fp32 scratch of the table's size would triple the memory
-  traffic, so 16-bit weights always take this path. Up to ``FEW_TOKENS`` tokens one kernel replaces
-  the sort and both run kernels: the program of an index's first token sums that index's tokens in
-  token order into the zeroed gradient.
+  its chunk and summing each run's output-gradient rows in token order in fp32, and stores every run
+  that starts and ends in the chunk into its weight row, each row by exactly one program. The pieces
+  of runs that cross a chunk boundary go to an fp32 scratch of two rows per chunk, and a second
+  kernel adds each such run's pieces in chunk order (``JOIN`` at a time) and stores the row. No
+  atomics, so the result is bitwise reproducible; and no program walks a long run alone, so a
+  frequent index (a padding token filling half a batch, Zipf-distributed text) costs what uniform
+  indices cost. Atomics into a bf16/fp16 gradient would accumulate in 16 bits (frequent tokens lose
+  precision) and an fp32 scratch of the table's size would triple the memory traffic, so 16-bit
+  weights always take this path. Up to ``FEW_TOKENS`` tokens one kernel replaces the sort and both
+  run kernels: the program of an index's first token sums that index's tokens in token order into
+  the zeroed gradient.
 
 ``padding_idx``: that row is gathered as usual but receives no gradient (as ``torch.nn.Embedding``).
 

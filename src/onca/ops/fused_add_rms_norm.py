@@ -62,7 +62,8 @@ def fused_add_rms_norm_forward(x: Tensor, residual: Tensor, weight: Tensor, eps:
 
 @fused_add_rms_norm_forward.register_fake
 def _(x, residual, weight, eps, offset, casting, overwrite_grad_output):
-    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
+    rstd = x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape), rstd
 
 
 @custom_op("fused_add_rms_norm_backward")

@@ -296,11 +296,12 @@ def launch_rms_norm_forward(x: Tensor, residual: Tensor | None, weight: Tensor |
         return y, h, rstd
     # An absent residual, h or weight is never touched (constexpr switches); x stands in for it.
     r = x if residual is None else as_rows(residual)
-    h_rows, w = (x if t is None else t for t in (h_rows, weight))
+    h_rows = x if h_rows is None else h_rows
+    w = x if weight is None else weight
     launch_forward(
         _rms_norm_forward_kernel,
-        (x, r, w, y_rows, h_rows, rstd, rows, cols, x.stride(0), r.stride(0), y_rows.stride(0), h_rows.stride(0),
-         eps, offset),
+        (x, r, w, y_rows, h_rows, rstd, rows, cols,
+         x.stride(0), r.stride(0), y_rows.stride(0), h_rows.stride(0), eps, offset),
         rows, cols, x.dtype, _tiles(residual is not None)[0],
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
     )
