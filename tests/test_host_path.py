@@ -16,7 +16,7 @@ LAUNCHES = {
     "fused_linear_cpo": 4, "fused_linear_cross_entropy": 5, "fused_linear_distill": 3, "fused_linear_dpo": 5,
     "fused_linear_grpo": 2, "fused_linear_jsd": 3, "fused_linear_kto": 3, "fused_linear_logprobs": 2,
     "fused_linear_orpo": 4, "fused_linear_scaled_cross_entropy": 2, "fused_linear_simpo": 4, "fused_moe": 8,
-    "geglu": 2, "group_norm": 4, "grpo_loss": 2, "jsd": 2, "kl_div": 2, "layer_norm": 2, "llama4_rope": 2,
+    "geglu": 2, "group_norm": 3, "grpo_loss": 2, "jsd": 2, "kl_div": 2, "layer_norm": 2, "llama4_rope": 2,
     "mhc": 9, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
     "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rope": 2, "softmax": 2,
     "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 2, "vocab_parallel_cross_entropy": 5,
@@ -80,3 +80,30 @@ def test_norms_take_their_input_whole(op):
     assert y.shape == x.shape
     assert y.grad_fn.name().startswith(f"{op}_forward_function"), y.grad_fn.name()
     assert {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None} <= {"AccumulateGrad"}
+
+
+def test_layer_norm_gradients_share_one_fill_and_one_sum():
+    """Past the one-program size, LayerNorm's weight and bias partial sums are two planes of one
+    buffer: one fill and one summing launch for both (two of each before), each a host-path step."""
+    import torch
+
+    from onca.ops._row_norm import DIRECT_MAX_ELEMENTS
+    from onca.ops.layer_norm import layer_norm
+    from tools.host_path import torch_kernels
+
+    rows, cols = 2 * DIRECT_MAX_ELEMENTS // 1024, 1024
+    x = torch.randn(rows, cols, requires_grad=True)
+    w, b = torch.randn(cols, requires_grad=True), torch.randn(cols, requires_grad=True)
+    dy = torch.randn(rows, cols)
+
+    def step():
+        x.grad = w.grad = b.grad = None
+        layer_norm(x, w, b).backward(dy)
+
+    counter = [0]
+    with stubbed_launches(counter):
+        step()
+        counter[0] = 0
+        kernels = torch_kernels(step)
+    assert counter[0] == 3, f"{counter[0]} launches: forward, backward and one sum expected"
+    assert len(kernels) == 1 and kernels[0] in ("aten::zero_", "aten::fill_"), kernels  # one fill

@@ -16,3 +16,19 @@ def test_sum_partials_matches_torch(profile, device, shape):
     assert_close(total, partials.double().sum(0), torch.float32, "sum")
     assert torch.equal(total, sum_partials(partials))  # the same bits every time
     assert sum_partials(partials, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_sum_partials_sums_each_plane_into_its_own_dtype(profile, device, planes):
+    partials = torch.randn(planes, 37, 300, device=device)
+    dtypes = [torch.bfloat16, torch.float32][:planes]
+    totals = sum_partials(partials, dtypes)
+    assert [t.dtype for t in totals] == dtypes
+    for plane, total in zip(partials, totals):
+        assert_close(total, plane.double().sum(0), total.dtype, "sum")
+        assert torch.equal(total, sum_partials(plane.contiguous(), total.dtype))  # as a 2-D buffer
+
+
+def test_sum_partials_refuses_more_than_two_planes(device):
+    with pytest.raises(ValueError, match="partials must have one or two planes"):
+        sum_partials(torch.zeros(3, 4, 8, device=device), [torch.float32] * 3)

@@ -6,7 +6,9 @@ partial sums. Programs ``p`` and ``p + rows`` share row ``p`` of a zeroed ``(row
 result does not depend on their order (``0 + a + b == 0 + b + a`` exactly, floating-point addition
 being commutative), so this halves the buffer and stays bitwise deterministic. ``sum_partials``
 then adds the rows in a fixed order, column tiles in parallel (``torch.sum`` over dim 0 of a few
-hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB).
+hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB). An op with two
+parameter gradients (LayerNorm's weight and bias) keeps them in two planes of one buffer: one fill
+and one summing launch for both, where each is a host-path step at medium sizes.
 
 At host-bound sizes (a few rows) the zero fill and the summing launch cost more than the work:
 there one program reduces every row and stores the gradient itself (``DIRECT``), one launch in all.
@@ -25,8 +27,11 @@ from onca.tiling import plan_rows
 
 @fast_launch
 @triton.jit
-def _sum_partials_kernel(src_ptr, dst_ptr, n_rows, n_cols,
+def _sum_partials_kernel(src_ptr, dst_ptr, second_dst_ptr, n_rows, n_cols,
                          BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    # Axis 1 of the grid is the plane: the buffer's first (dst_ptr) or second (second_dst_ptr).
+    plane = tl.program_id(1)
+    src_ptr += plane.to(tl.int64) * n_rows * n_cols
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
     acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
@@ -34,12 +39,20 @@ def _sum_partials_kernel(src_ptr, dst_ptr, n_rows, n_cols,
         rows = start + tl.arange(0, BLOCK_ROWS)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         acc += tl.load(src_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    tl.store(dst_ptr + cols, tl.sum(acc, axis=0).to(dst_ptr.dtype.element_ty), mask=col_mask)
+    total = tl.sum(acc, axis=0)
+    if plane == 0:
+        tl.store(dst_ptr + cols, total.to(dst_ptr.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(second_dst_ptr + cols, total.to(second_dst_ptr.dtype.element_ty), mask=col_mask)
 
 
-def partial_buffer(grid: int, cols: int, device) -> torch.Tensor:
-    """The zeroed ``(ceil(grid / 2), cols)`` fp32 buffer that ``accumulate_partial`` adds into."""
-    return torch.zeros(((grid + 1) // 2, cols), dtype=torch.float32, device=device)
+def partial_buffer(grid: int, cols: int, device, planes: int | None = None) -> torch.Tensor:
+    """The zeroed ``(ceil(grid / 2), cols)`` fp32 buffer that ``accumulate_partial`` adds into; with
+    ``planes``, ``(planes, ceil(grid / 2), cols)``: one plane per gradient, zeroed by one fill and
+    summed by one launch (:func:`sum_partials`)."""
+    rows = (grid + 1) // 2
+    shape = (rows, cols) if planes is None else (planes, rows, cols)
+    return torch.zeros(shape, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -60,15 +73,22 @@ def accumulate_partial(row_ptr, cols, values, mask, DIRECT: tl.constexpr):
         tl.atomic_add(row_ptr + cols, values, mask=mask, sem="relaxed")
 
 
-def sum_partials(partials: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Sum a contiguous fp32 ``(programs, cols)`` buffer over its rows, stored in ``dtype``."""
-    n_rows, n_cols = partials.shape
+def sum_partials(partials: torch.Tensor, dtype=torch.float32):
+    """Sum a contiguous fp32 ``(programs, cols)`` buffer over its rows, stored in ``dtype``.
+
+    A ``(planes, programs, cols)`` buffer (one or two planes) is summed plane by plane in one launch,
+    ``dtype`` then being one dtype per plane: the list of sums is returned."""
+    planes = partials.shape[0] if partials.dim() == 3 else None
+    if planes is not None and not 1 <= planes <= 2:
+        raise ValueError(f"partials must have one or two planes, got shape {tuple(partials.shape)}")
+    n_rows, n_cols = partials.shape[-2], partials.shape[-1]
     # Column tiles of at least 32 fp32 (128 bytes, whole memory transactions), enough of them to
     # spread over the compute units.
     units = get_profile().compute_units
     p = plan_rows(n_rows, n_cols, torch.float32, live_tiles=2, max_block_cols=max(32, n_cols // units))
-    total = torch.empty(n_cols, dtype=dtype, device=partials.device)
-    _sum_partials_kernel[(p.col_tiles,)](partials, total, n_rows, n_cols,
-                                         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
-                                         num_warps=p.num_warps)
-    return total
+    totals = [torch.empty(n_cols, dtype=d, device=partials.device)
+              for d in (dtype if planes is not None else (dtype,))]
+    _sum_partials_kernel[(p.col_tiles, len(totals))](partials, totals[0], totals[-1], n_rows, n_cols,
+                                                     BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
+                                                     num_warps=p.num_warps)
+    return totals if planes is not None else totals[0]

@@ -72,14 +72,20 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     direct = rows * cols <= DIRECT_MAX_ELEMENTS
     p = backward_plan(rows, cols, dtype, tiles)
     device = stand_in.device
+    computed = [d for d in grad_dtypes if d is not None]
     if direct:
-        partials = [stand_in if d is None else torch.empty((1, cols), dtype=d, device=device)
-                    for d in grad_dtypes]
+        buffers = [torch.empty((1, cols), dtype=d, device=device) for d in computed]
     else:
-        partials = [stand_in if d is None else partial_buffer(p.grid, cols, device) for d in grad_dtypes]
+        # One buffer with a plane per computed gradient: one fill, and one summing launch below.
+        planes = partial_buffer(p.grid, cols, device, planes=len(computed)) if computed else None
+        buffers = list(planes) if computed else []
+    slots = iter(buffers)
+    partials = [stand_in if d is None else next(slots) for d in grad_dtypes]
     scratch = (stand_in if p.single_pass
                else torch.empty(row_stats * rows, dtype=torch.float32, device=device))
     kernel[(p.grid,)](*args, *partials, scratch, DIRECT_PARTIALS=direct, **constexprs, **_plan_constexprs(p))
     if direct:
-        return [None if d is None else buf.view(cols) for buf, d in zip(partials, grad_dtypes)]
-    return [None if d is None else sum_partials(buf, d) for buf, d in zip(partials, grad_dtypes)]
+        grads = iter([buf.view(cols) for buf in buffers])
+    else:
+        grads = iter(sum_partials(planes, computed) if computed else [])
+    return [None if d is None else next(grads) for d in grad_dtypes]

@@ -264,8 +264,11 @@ def group_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
         dw = torch.zeros_like(weight) if compute_dw else empty
         db = torch.zeros_like(bias) if compute_db else empty
         return dx, dw, db
-    sums = [torch.empty((batch, channels), dtype=torch.float32, device=x.device) if need else rstd
-            for need in (compute_dw, compute_db)]
+    # One buffer with a plane per computed gradient, summed by one launch.
+    computed = [t.dtype for t, need in ((weight, compute_dw), (bias, compute_db)) if need]
+    planes = torch.empty((len(computed), batch, channels), dtype=torch.float32, device=x.device)
+    slots = iter(planes)
+    sums = [next(slots) if need else rstd for need in (compute_dw, compute_db)]
     p = _plan(n_groups, ch_per_group, n_pos, x.dtype, BACKWARD_TILES)
     grid, constexprs = _launch_args(p, n_groups, ch_per_group)
     _group_norm_backward_kernel[grid](
@@ -273,8 +276,9 @@ def group_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
         n_groups, num_groups, ch_per_group, n_pos,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **constexprs,
     )
-    dw = sum_partials(sums[0], weight.dtype) if compute_dw else empty
-    db = sum_partials(sums[1], bias.dtype) if compute_db else empty
+    grads = iter(sum_partials(planes, computed) if computed else [])
+    dw = next(grads) if compute_dw else empty
+    db = next(grads) if compute_db else empty
     return dx, dw, db
 
 
