@@ -110,6 +110,22 @@ def test_column_tiled_path(profile, device, onchip_bytes, monkeypatch, affine, d
     check(x, w, b)
 
 
+@pytest.mark.parametrize("block_rows", [1, 2], ids=["contiguous-walk", "strided-walk"])
+def test_every_row_is_walked_once(profile, device, monkeypatch, block_rows):
+    """The backward's persistent programs walk a contiguous range of row blocks (one row per block)
+    or every grid-th block (more rows per block): with a row count that no grid divides, each row's
+    dx, and its share of dW and dB, is computed once either way."""
+    monkeypatch.setenv("ONCA_COMPUTE_UNITS", "3")
+    monkeypatch.setattr(op, "BACKWARD_TILES", {**op.BACKWARD_TILES, "max_block_rows": block_rows})
+    rows, cols = (229, 300) if SCALE == "cpu" else (16411, 2048)  # past the one-program size
+    plan = op.plan((rows, cols), torch.float32)["backward"]
+    assert plan.single_pass and plan.block_rows == block_rows and plan.grid > 1
+    assert rows % (plan.grid * block_rows) != 0
+    x = randn(rows, cols, device=device)
+    w, b = params(cols, "weight+bias", torch.float32, device)
+    check(x, w, b)
+
+
 @pytest.mark.parametrize("tiled", [False, True], ids=["single-pass", "column-tiled"])
 def test_statistics_are_numerically_sound(device, onchip_bytes, tiled):
     """A large mean over a small spread: E[x^2] - E[x]^2 in fp32 would lose the variance entirely

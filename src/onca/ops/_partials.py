@@ -56,6 +56,27 @@ def partial_buffer(grid: int, cols: int, device, planes: int | None = None) -> t
 
 
 @triton.jit
+def program_row_blocks(n_row_blocks, CONTIGUOUS: tl.constexpr):
+    """``(first, end, step)``: this program's row blocks of a persistent grid, for
+    ``tl.range(first, end, step)``. Strided by the grid (every ``programs``-th block from its own),
+    or with ``CONTIGUOUS`` one range of ``ceil(n_row_blocks / programs)`` blocks (fewer for the
+    last programs); either way no program gets more blocks than another but one.
+
+    Which is faster is measured, kernel by kernel and tile by tile (see the caller)."""
+    n_programs = tl.num_programs(0)
+    if CONTIGUOUS:
+        per = tl.cdiv(n_row_blocks, n_programs)
+        first = tl.program_id(0) * per
+        end = tl.minimum(first + per, n_row_blocks)
+        step = 1
+    else:
+        first = tl.program_id(0)
+        end = n_row_blocks
+        step = n_programs
+    return first, end, step
+
+
+@triton.jit
 def partial_row(buffer_ptr, n_cols):
     """This program's row of a ``partial_buffer``: shared with at most one other program."""
     rows = (tl.num_programs(0) + 1) // 2
