@@ -6,9 +6,10 @@ partial sums. Programs ``p`` and ``p + rows`` share row ``p`` of a zeroed ``(row
 result does not depend on their order (``0 + a + b == 0 + b + a`` exactly, floating-point addition
 being commutative), so this halves the buffer and stays bitwise deterministic. ``sum_partials``
 then adds the rows in a fixed order, column tiles in parallel (``torch.sum`` over dim 0 of a few
-hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB). An op with two
-parameter gradients (LayerNorm's weight and bias) keeps them in two planes of one buffer: one fill
-and one summing launch for both, where each is a host-path step at medium sizes.
+hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB). An op with several
+parameter gradients (LayerNorm's weight and bias; DyT's alpha, weight and bias) keeps them in planes
+of one buffer: one fill, and one summing launch per two planes, each launch being a host-path step
+at medium sizes.
 
 At host-bound sizes (a few rows) the zero fill and the summing launch cost more than the work:
 there one program reduces every row and stores the gradient itself (``DIRECT``), one launch in all.
@@ -97,19 +98,28 @@ def accumulate_partial(row_ptr, cols, values, mask, DIRECT: tl.constexpr):
 def sum_partials(partials: torch.Tensor, dtype=torch.float32):
     """Sum a contiguous fp32 ``(programs, cols)`` buffer over its rows, stored in ``dtype``.
 
-    A ``(planes, programs, cols)`` buffer (one or two planes) is summed plane by plane in one launch,
-    ``dtype`` then being one dtype per plane: the list of sums is returned."""
-    planes = partials.shape[0] if partials.dim() == 3 else None
-    if planes is not None and not 1 <= planes <= 2:
-        raise ValueError(f"partials must have one or two planes, got shape {tuple(partials.shape)}")
+    A ``(planes, programs, cols)`` buffer is summed plane by plane, two planes per launch, ``dtype``
+    then being a sequence of one dtype per plane: the list of sums is returned."""
     n_rows, n_cols = partials.shape[-2], partials.shape[-1]
     # Column tiles of at least 32 fp32 (128 bytes, whole memory transactions), enough of them to
     # spread over the compute units.
     units = get_profile().compute_units
     p = plan_rows(n_rows, n_cols, torch.float32, live_tiles=2, max_block_cols=max(32, n_cols // units))
-    totals = [torch.empty(n_cols, dtype=d, device=partials.device)
-              for d in (dtype if planes is not None else (dtype,))]
-    _sum_partials_kernel[(p.col_tiles, len(totals))](partials, totals[0], totals[-1], n_rows, n_cols,
+    if partials.dim() == 2:
+        total = torch.empty(n_cols, dtype=dtype, device=partials.device)
+        _sum_planes(partials, [total], p)
+        return total
+    if len(dtype) != partials.shape[0]:
+        raise ValueError(f"sum_partials: {partials.shape[0]} planes but {len(dtype)} dtypes")
+    totals = [torch.empty(n_cols, dtype=d, device=partials.device) for d in dtype]
+    for first in range(0, len(totals), 2):
+        _sum_planes(partials if first == 0 else partials[first], totals[first:first + 2], p)
+    return totals
+
+
+def _sum_planes(src: torch.Tensor, totals: list, p) -> None:
+    """One launch: the sums of ``src``'s first ``len(totals)`` planes (one or two) into ``totals``."""
+    n_rows, n_cols = src.shape[-2], src.shape[-1]
+    _sum_partials_kernel[(p.col_tiles, len(totals))](src, totals[0], totals[-1], n_rows, n_cols,
                                                      BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
                                                      num_warps=p.num_warps)
-    return totals if planes is not None else totals[0]
