@@ -116,6 +116,7 @@ def test_every_row_is_walked_once(profile, device, monkeypatch, block_rows):
     or every grid-th block (more rows per block): with a row count that no grid divides, each row's
     dx, and its share of dW and dB, is computed once either way."""
     monkeypatch.setenv("ONCA_COMPUTE_UNITS", "3")
+    onca_device.reset()  # the profile fixture read the profile before this override (and resets after)
     monkeypatch.setattr(op, "BACKWARD_TILES", {**op.BACKWARD_TILES, "max_block_rows": block_rows})
     rows, cols = (229, 300) if SCALE == "cpu" else (16411, 2048)  # past the one-program size
     plan = op.plan((rows, cols), torch.float32)["backward"]
