@@ -49,8 +49,8 @@ def _sum_partials_kernel(src_ptr, dst_ptr, second_dst_ptr, n_rows, n_cols,
 
 def partial_buffer(grid: int, cols: int, device, planes: int | None = None) -> torch.Tensor:
     """The zeroed ``(ceil(grid / 2), cols)`` fp32 buffer that ``accumulate_partial`` adds into; with
-    ``planes``, ``(planes, ceil(grid / 2), cols)``: one plane per gradient, zeroed by one fill and
-    summed by one launch (:func:`sum_partials`)."""
+    ``planes``, ``(planes, ceil(grid / 2), cols)``: one plane per gradient, all zeroed by one fill
+    (:func:`sum_partials` sums two planes per launch)."""
     rows = (grid + 1) // 2
     shape = (rows, cols) if planes is None else (planes, rows, cols)
     return torch.zeros(shape, dtype=torch.float32, device=device)

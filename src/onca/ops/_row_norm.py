@@ -74,7 +74,8 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     device = stand_in.device
     computed = [d for d in grad_dtypes if d is not None]
     if direct:
-        buffers = [torch.empty((1, cols), dtype=d, device=device) for d in computed]
+        # The gradients themselves: the one program stores its sums in them (1-D: no view to make).
+        buffers = [torch.empty(cols, dtype=d, device=device) for d in computed]
     else:
         # One buffer with a plane per computed gradient: one fill, and one summing launch below.
         planes = partial_buffer(p.grid, cols, device, planes=len(computed)) if computed else None
@@ -85,7 +86,7 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
                else torch.empty(row_stats * rows, dtype=torch.float32, device=device))
     kernel[(p.grid,)](*args, *partials, scratch, DIRECT_PARTIALS=direct, **constexprs, **_plan_constexprs(p))
     if direct:
-        grads = iter([buf.view(cols) for buf in buffers])
+        grads = iter(buffers)
     else:
         grads = iter(sum_partials(planes, computed) if computed else [])
     return [None if d is None else next(grads) for d in grad_dtypes]
