@@ -12,7 +12,8 @@ from onca.tiling import MAX_TILE_ELEMENTS, TilingError, plan_matmul, plan_rows
 
 SHAPES = [(1, 1), (1, 64), (37, 1000), (16384, 4096), (3, 65536), (7, 131072), (100000, 128), (5, 3)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TILES = [dict(live_tiles=3, fp32_tiles=2), dict(live_tiles=4, fp32_tiles=4), dict(live_tiles=1)]
+TILES = [dict(live_tiles=3, fp32_tiles=2), dict(live_tiles=4, fp32_tiles=4), dict(live_tiles=1),
+         dict(live_tiles=4, fp32_tiles=4, column_fp32=3)]
 
 
 def _bytes_per_col(dtype, tiles):
@@ -30,7 +31,8 @@ def _check_plan(profile, shape, dtype, tiles, persistent):
     p = plan_rows(rows, cols, dtype, profile=profile, persistent=persistent, **tiles)
     itemsize = torch.empty((), dtype=dtype).element_size()
     # Fits the budget, and says so truthfully.
-    assert p.tile_bytes == p.block_rows * p.block_cols * _bytes_per_col(dtype, tiles)
+    assert p.tile_bytes == (p.block_rows * p.block_cols * _bytes_per_col(dtype, tiles)
+                            + p.block_cols * 4 * tiles.get("column_fp32", 0))
     assert p.tile_bytes <= profile.onchip_bytes
     assert p.block_rows * p.block_cols <= MAX_TILE_ELEMENTS
     # Powers of two, aligned to the profile's unit (32 bytes on Ascend).
@@ -71,6 +73,20 @@ def test_wide_rows_plan_on_every_profile():
         for dtype in DTYPES:
             p = plan_rows(8, 65536, dtype, live_tiles=4, fp32_tiles=4, profile=profile, persistent=True)
             assert p.col_tiles * p.block_cols >= 65536
+
+
+def test_column_values_count_once_per_block():
+    """A column accumulator is one row of values however many rows the block has: counted so, it
+    leaves room for two-row tiles that counting it as a full tile would not (DyT's backward)."""
+    h100 = PROFILES["h100"]
+    as_tiles = plan_rows(16384, 8192, torch.bfloat16, live_tiles=4, fp32_tiles=7, profile=h100, persistent=True)
+    as_columns = plan_rows(16384, 8192, torch.bfloat16, live_tiles=4, fp32_tiles=4, column_fp32=3, profile=h100,
+                           persistent=True)
+    assert as_tiles.block_rows == 1 and as_columns.block_rows == 2
+    assert as_columns.tile_bytes == 2 * 8192 * (4 * 2 + 4 * 4) + 8192 * 3 * 4 <= h100.onchip_bytes
+    # One row per block: the same bytes either way, so the same plan.
+    wide = dict(rows=16384, cols=16384, dtype=torch.bfloat16, live_tiles=4, profile=h100, persistent=True)
+    assert plan_rows(**wide, fp32_tiles=7) == plan_rows(**wide, fp32_tiles=4, column_fp32=3)
 
 
 def test_narrow_rows_share_a_tile():

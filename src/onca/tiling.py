@@ -110,12 +110,17 @@ def plan_rows(
     profile: DeviceProfile | None = None,
     *,
     fp32_tiles: int = 0,
+    column_fp32: int = 0,
     persistent: bool | None = None,
     max_block_rows: int | None = None,
     max_block_cols: int | None = None,
     max_programs: int | None = None,
 ) -> RowPlan:
     """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
+
+    ``live_tiles`` and ``fp32_tiles`` count the block-sized tiles alive at once (in ``dtype`` and in
+    fp32); ``column_fp32`` counts fp32 vectors of one value per column of the block, whatever its
+    rows (a column sum carried across row blocks, such as a weight gradient's accumulator).
 
     ``persistent`` forces (or forbids) a grid capped at the compute units; by default the profile
     decides. Kernels that reduce across rows into per-program partial sums pass ``True`` so that
@@ -126,12 +131,12 @@ def plan_rows(
     """
     return _plan_rows(
         int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
-        persistent, max_block_rows, max_block_cols, max_programs,
+        int(column_fp32), persistent, max_block_rows, max_block_cols, max_programs,
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, max_block_rows,
+def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, persistent, max_block_rows,
                max_block_cols, max_programs) -> RowPlan:
     if rows < 1 or cols < 1:
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
@@ -141,17 +146,19 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
     if live_tiles < 0 or fp32_tiles < 0 or live_tiles + fp32_tiles < 1:
         raise TilingError(f"a kernel needs at least one live tile (live={live_tiles}, fp32={fp32_tiles})")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    bytes_per_col = live_tiles * itemsize + fp32_tiles * 4
+    bytes_per_col = live_tiles * itemsize + fp32_tiles * 4  # per row of the block
+    column_bytes = column_fp32 * 4  # once per block, however many rows it has
     # The narrowest block whose every tile is a whole number of alignment units.
     min_block = max(1, next_power_of_2(math.ceil(profile.align_bytes / itemsize)))
     max_elements = _max_tile_elements(profile)
-    widest = _floor_power_of_2(min(profile.onchip_bytes // bytes_per_col, max_elements))
+    widest = _floor_power_of_2(min(profile.onchip_bytes // (bytes_per_col + column_bytes), max_elements))
     if max_block_cols is not None:
         widest = min(widest, _floor_power_of_2(max_block_cols))
     if widest < min_block:
+        per_column = f" (+ {column_fp32} fp32 per column)" if column_fp32 else ""
         raise TilingError(
-            f"{live_tiles} {dtype} + {fp32_tiles} fp32 live tiles of the narrowest aligned block "
-            f"({min_block} columns, {min_block * bytes_per_col} bytes) do not fit the "
+            f"{live_tiles} {dtype} + {fp32_tiles} fp32 live tiles{per_column} of the narrowest aligned block "
+            f"({min_block} columns, {min_block * (bytes_per_col + column_bytes)} bytes) do not fit the "
             f"{profile.onchip_bytes}-byte on-chip budget of profile {profile.name!r}"
         )
     if next_power_of_2(cols) > widest:
@@ -165,7 +172,8 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
     block_rows = 1
     if col_tiles == 1:
         fit = _floor_power_of_2(
-            min(profile.onchip_bytes // (bytes_per_col * block_cols), max_elements // block_cols)
+            min((profile.onchip_bytes - column_bytes * block_cols) // (bytes_per_col * block_cols),
+                max_elements // block_cols)
         )
         # Keep at least one row block per compute unit, so that tall tiles never starve the device.
         spread = _floor_power_of_2(max(1, rows // units))
@@ -191,7 +199,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, persistent, m
         row_blocks=row_blocks,
         grid=grid,
         num_warps=num_warps,
-        tile_bytes=tile_elements * bytes_per_col,
+        tile_bytes=tile_elements * bytes_per_col + block_cols * column_bytes,
         onchip_bytes=profile.onchip_bytes,
         persistent=is_persistent,
         profile=profile.name,
