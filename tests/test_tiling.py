@@ -79,9 +79,9 @@ def test_column_values_count_once_per_block():
     """A column accumulator is one row of values however many rows the block has: counted so, it
     leaves room for two-row tiles that counting it as a full tile would not (DyT's backward)."""
     h100 = PROFILES["h100"]
-    as_tiles = plan_rows(16384, 8192, torch.bfloat16, live_tiles=4, fp32_tiles=7, profile=h100, persistent=True)
-    as_columns = plan_rows(16384, 8192, torch.bfloat16, live_tiles=4, fp32_tiles=4, column_fp32=3, profile=h100,
-                           persistent=True)
+    shape = dict(rows=16384, cols=8192, dtype=torch.bfloat16, live_tiles=4, profile=h100, persistent=True)
+    as_tiles = plan_rows(**shape, fp32_tiles=7)
+    as_columns = plan_rows(**shape, fp32_tiles=4, column_fp32=3)
     assert as_tiles.block_rows == 1 and as_columns.block_rows == 2
     assert as_columns.tile_bytes == 2 * 8192 * (4 * 2 + 4 * 4) + 8192 * 3 * 4 <= h100.onchip_bytes
     # One row per block: the same bytes either way, so the same plan.
