@@ -47,6 +47,13 @@ def _sum_partials_kernel(src_ptr, dst_ptr, second_dst_ptr, n_rows, n_cols,
         tl.store(second_dst_ptr + cols, total.to(second_dst_ptr.dtype.element_ty), mask=col_mask)
 
 
+def fill_wanted(wanted, items, absent=None) -> list:
+    """One entry per flag of ``wanted``: the next of ``items`` where it is set, ``absent`` elsewhere
+    (the planes or sums of the gradients an op computes, placed among the ones it does not)."""
+    it = iter(items)
+    return [next(it) if w else absent for w in wanted]
+
+
 def partial_buffer(grid: int, cols: int, device, planes: int | None = None) -> torch.Tensor:
     """The zeroed ``(ceil(grid / 2), cols)`` fp32 buffer that ``accumulate_partial`` adds into; with
     ``planes``, ``(planes, ceil(grid / 2), cols)``: one plane per gradient, all zeroed by one fill

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from onca.device import DeviceProfile
-from onca.ops._partials import partial_buffer, sum_partials
+from onca.ops._partials import fill_wanted, partial_buffer, sum_partials
 from onca.ops._rows import rows_cols
 from onca.tiling import RowPlan, plan_rows
 
@@ -72,21 +72,17 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     direct = rows * cols <= DIRECT_MAX_ELEMENTS
     p = backward_plan(rows, cols, dtype, tiles)
     device = stand_in.device
+    wanted = [d is not None for d in grad_dtypes]
     computed = [d for d in grad_dtypes if d is not None]
     if direct:
         # The gradients themselves: the one program stores its sums in them (1-D: no view to make).
         buffers = [torch.empty(cols, dtype=d, device=device) for d in computed]
     else:
         # One buffer with a plane per computed gradient: one fill, and one summing launch below.
-        planes = partial_buffer(p.grid, cols, device, planes=len(computed)) if computed else None
-        buffers = list(planes) if computed else []
-    slots = iter(buffers)
-    partials = [stand_in if d is None else next(slots) for d in grad_dtypes]
+        planes = partial_buffer(p.grid, cols, device, planes=len(computed))
+        buffers = list(planes)
+    partials = fill_wanted(wanted, buffers, stand_in)
     scratch = (stand_in if p.single_pass
                else torch.empty(row_stats * rows, dtype=torch.float32, device=device))
     kernel[(p.grid,)](*args, *partials, scratch, DIRECT_PARTIALS=direct, **constexprs, **_plan_constexprs(p))
-    if direct:
-        grads = iter(buffers)
-    else:
-        grads = iter(sum_partials(planes, computed) if computed else [])
-    return [None if d is None else next(grads) for d in grad_dtypes]
+    return fill_wanted(wanted, buffers if direct else sum_partials(planes, computed))

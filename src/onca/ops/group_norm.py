@@ -31,7 +31,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
-from onca.ops._partials import sum_partials
+from onca.ops._partials import fill_wanted, sum_partials
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
@@ -265,10 +265,10 @@ def group_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
         db = torch.zeros_like(bias) if compute_db else empty
         return dx, dw, db
     # One buffer with a plane per computed gradient, summed by one launch.
-    computed = [t.dtype for t, need in ((weight, compute_dw), (bias, compute_db)) if need]
+    wanted = (compute_dw, compute_db)
+    computed = [t.dtype for t, need in zip((weight, bias), wanted) if need]
     planes = torch.empty((len(computed), batch, channels), dtype=torch.float32, device=x.device)
-    slots = iter(planes)
-    sums = [next(slots) if need else rstd for need in (compute_dw, compute_db)]
+    sums = fill_wanted(wanted, planes, rstd)
     p = _plan(n_groups, ch_per_group, n_pos, x.dtype, BACKWARD_TILES)
     grid, constexprs = _launch_args(p, n_groups, ch_per_group)
     _group_norm_backward_kernel[grid](
@@ -276,9 +276,7 @@ def group_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
         n_groups, num_groups, ch_per_group, n_pos,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **constexprs,
     )
-    grads = iter(sum_partials(planes, computed) if computed else [])
-    dw = next(grads) if compute_dw else empty
-    db = next(grads) if compute_db else empty
+    dw, db = fill_wanted(wanted, sum_partials(planes, computed), empty)
     return dx, dw, db
 
 
