@@ -178,7 +178,8 @@ def cmd_bench(args) -> int:
     settings = harness.Settings(device="cuda" if where == "cuda" else "cpu", dtype=args.dtype,
                                 providers=providers, peers=args.providers is None, modes=args.modes,
                                 max_points=args.max_points, points=args.points,
-                                rounds=args.rounds if where == "cuda" else 1)
+                                rounds=args.rounds if where == "cuda" else 1,
+                                device_time=not args.no_device_time)
     if not settings.on_gpu:
         print("onca bench: no GPU here; running each sweep once at a tiny size on the CPU "
               "(a smoke test of the benchmark code, not a measurement)")
@@ -346,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=positive_int, default=3,
                        help="timing rounds per point on a GPU, the providers taking turns; each keeps its "
                             "fastest (default 3)")
+    bench.add_argument("--no-device-time", action="store_true",
+                       help="skip the device time (each point's call replayed from a CUDA graph, the host "
+                            "path left out), recorded beside the time a caller sees")
     bench.add_argument("--points", type=_csv_list,
                        help="comma-separated x values to run, e.g. model names (default: every point)")
     bench.add_argument("--no-progress", action="store_true",

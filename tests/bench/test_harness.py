@@ -208,6 +208,48 @@ def test_csv_append_plot_and_latest(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_csv_from_before_a_new_column_is_rewritten_under_the_new_header(tmp_path):
+    """Rows appended to a results file written before ``device_ms`` existed line up with a header
+    that has it (the old rows keep every value and get an empty device time); JSON and CSV carry
+    the device time of a point."""
+    path = tmp_path / "results.csv"
+    old_fields = [f for f in records.CSV_FIELDS if f != "device_ms"]
+    old_row = {f: "" for f in old_fields}
+    old_row.update(kernel_name="toy", kernel_provider="torch", metric_name="speed", x_value="4",
+                   y_value_50="3.0", timestamp="2026-01-01", sweep="d1", pct_of_copy="40.0")
+    path.write_text(",".join(old_fields) + "\n" + ",".join(old_row[f] for f in old_fields) + "\n")
+    rec = records.Record("toy", "onca", "speed", "ms", "H100", "n", "n", "2026-02-01", "full", "toy", "0.1",
+                         "d1", "bfloat16", [records.Point(4, 1.0, 0.9, 1.1, device_ms=0.25)])
+    assert records.append_csv(str(path), [rec]) == 1
+    rows = records.read_csv(str(path))
+    assert path.read_text().splitlines()[0] == ",".join(records.CSV_FIELDS)
+    assert [(r["kernel_provider"], r["y_value_50"]) for r in rows] == [("torch", 3.0), ("onca", 1.0)]
+    assert rows[0]["pct_of_copy"] == 40.0 and math.isnan(rows[0]["device_ms"])
+    assert rows[1]["device_ms"] == 0.25
+    records.write_json(str(tmp_path / "toy.json"), [rec])
+    assert records.read_json(str(tmp_path / "toy.json"))[0].points[0].device_ms == 0.25
+
+
+def test_the_device_time_of_a_points_first_round_is_kept(monkeypatch):
+    """Each provider's device time is measured once, in a point's first round, and stays with the
+    point when a later round's faster wall-clock time replaces it."""
+    assert cpu_harness()._device_ms(lambda: None, [], "forward") is None  # no GPU: not measured
+    times, devices = iter([5.0, 9.0, 4.0, 1.0]), iter([0.5, 0.75])
+
+    def timed(self, run, leaves, mode, wall_clock=False):
+        t = next(times)
+        return t, t, t
+
+    monkeypatch.setattr(harness.Harness, "_time_mode", timed)
+    monkeypatch.setattr(harness.Harness, "_device_ms", lambda self, run, leaves, mode: next(devices))
+    bench = toy_benchmark()
+    settings = harness.Settings(device="cpu", dtype=torch.float32, providers=("onca", "torch"),
+                                modes=("full",), rounds=2, max_points=1)
+    new = harness.Harness(settings, progress=False).run(bench, [bench.sweeps[0]])
+    onca, ref = by(new, "onca", "speed", "full").points[0], by(new, "torch", "speed", "full").points[0]
+    assert (onca.y50, onca.device_ms) == (4.0, 0.5) and (ref.y50, ref.device_ms) == (1.0, 0.75)
+
+
 def test_plot_draws_a_categorical_sweep_as_bars_and_a_limit_hatched(tmp_path, monkeypatch):
     import matplotlib.axes
 
@@ -369,6 +411,28 @@ def test_below_peers_counts_the_points_at_the_copy_bandwidth_limit():
     assert lines[1:] == ["    d1 1: 0.98x torch_compile (onca at 98% of copy bandwidth)",
                          "    d1 2: 0.50x liger (onca at 42% of copy bandwidth)",
                          "    d1 3: 0.50x liger"]
+
+
+def test_below_peers_shows_the_device_time_and_counts_host_bound_points():
+    """A point onca loses by wall clock but whose kernels are at or ahead of the peer's in CUDA-graph
+    replay is host-bound, and said so; a newer row without a device time drops the older one's."""
+    from onca.bench.report import below_peers
+
+    def row(provider, x, value, device=math.nan):
+        return {"kernel_name": "op", "sweep": "d2", "x_value": x, "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": "speed", "kernel_provider": provider, "y_value_50": value,
+                "device_ms": device}
+
+    rows = [row("onca", "a", 2.0, 0.10), row("liger", "a", 1.0, 0.12),  # behind, kernels faster
+            row("onca", "b", 2.0, 0.30), row("liger", "b", 1.0, 0.20),  # behind, kernels slower
+            row("onca", "c", 2.0, 0.10), row("liger", "c", 1.0, 0.50),
+            row("onca", "c", 2.0)]  # re-run without the device time
+    lines = below_peers(rows).splitlines()
+    assert lines[0].startswith("op: below the fastest peer at 3 of 3 points (1 host-bound, onca's device "
+                               "time at or below the peer's);")
+    assert lines[1:] == ["    d2 a: 0.50x liger (device time 0.100 vs 0.120 ms: host-bound)",
+                         "    d2 b: 0.50x liger (device time 0.300 vs 0.200 ms)",
+                         "    d2 c: 0.50x liger"]
 
 
 def test_below_peers_keeps_two_sweeps_with_one_x_value_apart():

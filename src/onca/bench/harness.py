@@ -71,6 +71,8 @@ class Settings:
     rep_ms: int = 100
     # Timing rounds per point, the providers taking turns; each provider keeps its fastest round.
     rounds: int = 1
+    # Also time each point's call replayed from a CUDA graph (its device time, the host left out).
+    device_time: bool = True
     cpu_reps: int = 2
     # At most this many points per sweep (evenly spaced, the ends included); None: all of them.
     max_points: int | None = None
@@ -255,7 +257,7 @@ class Harness:
                         # Built once per point (modules, options and torch.compile's graph), or once
                         # per mode by a factory that takes the mode.
                         run = build(factory, params, inputs, mode)
-                    speed, peak = self._measure(run, inputs, mode, wall_clock, memory)
+                    speed, peak, device = self._measure(run, inputs, mode, wall_clock, memory)
                 except torch.OutOfMemoryError as exc:
                     inputs = run = None
                     _free()
@@ -269,7 +271,7 @@ class Harness:
                         out[(metric, mode)] = Point(x, status="error", note=note, estimate_mb=est_mb)
                     continue
                 p50, p20, p80 = speed
-                point = Point(x, p50, p20, p80, estimate_mb=est_mb)
+                point = Point(x, p50, p20, p80, estimate_mb=est_mb, device_ms=device)
                 self._rates(point, bench, params, mode, profile)
                 out[("speed", mode)] = point
                 if not memory:
@@ -300,13 +302,26 @@ class Harness:
     # ---------------------------------------------------------------------------- measuring
 
     def _measure(self, run, inputs, mode, wall_clock=False, memory=True):
-        leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        """``((p50, p20, p80) ms, peak MB or None, device ms or None)``; the peak memory and the
+        device time only with ``memory`` (a point's first round: neither drifts between rounds)."""
+        leaves = _leaves(inputs)
         speed = self._time_mode(run, leaves, mode, wall_clock)
         # The timing closure (and any graph it kept) is gone before memory is measured.
         peak = self._peak_memory(run, mode, leaves) if memory else None
-        return speed, peak
+        device = self._device_ms(run, leaves, mode) if memory else None
+        return speed, peak, device
 
     def _time_mode(self, run, leaves, mode, wall_clock=False):
+        timed = self._step(run, leaves, mode)
+        timed()  # warm-up outside the timed region: compilation, autotuning, allocator growth
+        if wall_clock and self.settings.on_gpu:
+            return self._time_back_to_back(timed)
+        return self._time(timed, leaves)
+
+    @staticmethod
+    def _step(run, leaves, mode):
+        """One call of ``mode`` as it is timed: forward; backward through one kept graph; or a
+        forward and its backward. Leaves' gradients are cleared first."""
         for t in leaves:
             t.grad = None
         if mode == "forward":
@@ -331,10 +346,40 @@ class Harness:
                 t.grad = None
             return fn()
 
-        timed()  # warm-up outside the timed region: compilation, autotuning, allocator growth
-        if wall_clock and self.settings.on_gpu:
-            return self._time_back_to_back(timed)
-        return self._time(timed, leaves)
+        return timed
+
+    def _device_ms(self, run, leaves, mode) -> float | None:
+        """The median GPU time of a call of ``mode`` without its host path: the call captured once
+        in a CUDA graph, then replayed under ``do_bench`` (an L2 flush before each replay, CUDA
+        events). At sizes where a call is bound by its Python and launches, this says whose kernels
+        are faster. None where the call cannot be captured (a peer that reads a device value on the
+        host), off a GPU, and with ``Settings.device_time`` off."""
+        if not (self.settings.on_gpu and self.settings.device_time):
+            return None
+        import triton.testing
+
+        graph = None
+        try:
+            step = self._step(run, leaves, mode)
+            side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graphs asks
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                step()
+            ms = triton.testing.do_bench(graph.replay, warmup=self.settings.warmup_ms, rep=self.settings.rep_ms,
+                                         return_mode="median")
+            return float(ms)
+        except Exception:  # noqa: BLE001 (not capturable: the time a caller sees still stands)
+            return None
+        finally:
+            for t in leaves:
+                t.grad = None  # the captured gradients live in the graph's memory pool
+            del graph
+            _free()
 
     def _time_back_to_back(self, fn, calls: int = 200, repeats: int = 7):
         """Milliseconds per call of ``calls`` calls issued back to back, then one synchronisation:
@@ -414,7 +459,9 @@ class Harness:
                             continue
                         if takes_mode(factory):
                             run = build(factory, bench.probe, inputs, mode)
-                        _, measured = self._measure(run, inputs, mode)
+                        leaves = _leaves(inputs)
+                        self._step(run, leaves, mode)()  # compilation and autotuning first
+                        measured = self._peak_memory(run, mode, leaves)
                         estimate = bench.memory_estimate(bench.probe, self.settings.dtype, provider, mode)
                         state.memory_ratio[mode] = calibration(measured * MB, estimate)
             except ImportError as exc:
@@ -446,12 +493,17 @@ def _all_timed(point: dict[tuple, Point]) -> bool:
 
 
 def _fastest(first: dict[tuple, Point], again: dict[tuple, Point]) -> dict[tuple, Point]:
-    """``first`` with each speed point replaced by ``again``'s where that round was faster."""
+    """``first`` with each speed point replaced by ``again``'s where that round was faster (the
+    first round's device time kept: later rounds do not measure it)."""
     out = dict(first)
     for key, p in again.items():
         if key[0] == "speed" and p.status == "ok" and p.y50 < first[key].y50:
-            out[key] = p
+            out[key] = dataclasses.replace(p, device_ms=first[key].device_ms)
     return out
+
+
+def _leaves(inputs: dict) -> list:
+    return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def subsample(points: list, limit: int | None) -> list:

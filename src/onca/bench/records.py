@@ -19,7 +19,7 @@ CSV_FIELDS = (
     "kernel_name", "kernel_provider", "metric_name", "metric_unit", "gpu_name", "x_name", "x_label",
     "x_value", "y_value_50", "y_value_20", "y_value_80", "timestamp", "kernel_operation_mode",
     "extra_benchmark_config_str", "onca_version", "sweep", "dtype", "status", "note", "gbps",
-    "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb",
+    "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb", "device_ms",
 )
 
 
@@ -38,6 +38,13 @@ class Point:
     pct_of_copy: float | None = None
     tflops: float | None = None
     estimate_mb: float | None = None
+    # A speed point's GPU time alone: the same call captured in a CUDA graph and replayed (the
+    # host path left out), beside the time a caller sees (y50). None where it was not measured.
+    device_ms: float | None = None
+
+
+# The optional per-point numbers, in the JSON record and the CSV row alike.
+EXTRAS = ("gbps", "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb", "device_ms")
 
 
 @dataclass
@@ -69,7 +76,7 @@ class Record:
             status=[p.status for p in pts],
             note=[p.note for p in pts],
         )
-        for extra in ("gbps", "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb"):
+        for extra in EXTRAS:
             values = [getattr(p, extra) for p in pts]
             if any(v is not None for v in values):
                 head[extra] = [_num(v) for v in values]
@@ -83,8 +90,7 @@ class Record:
                 **base,
                 "x_value": p.x, "y_value_50": _num(p.y50), "y_value_20": _num(p.y20),
                 "y_value_80": _num(p.y80), "status": p.status, "note": p.note,
-                "gbps": _num(p.gbps), "pct_of_peak": _num(p.pct_of_peak), "pct_of_copy": _num(p.pct_of_copy),
-                "tflops": _num(p.tflops), "estimate_mb": _num(p.estimate_mb),
+                **{extra: _num(getattr(p, extra)) for extra in EXTRAS},
             })
         return rows
 
@@ -100,6 +106,8 @@ def append_csv(path: str, records: list[Record]) -> int:
     """Append every point of ``records`` to ``path`` (created with a header); returns rows written."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new:
+        _upgrade_header(path)
     rows = [row for r in records for row in r.csv_rows()]
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
@@ -110,12 +118,27 @@ def append_csv(path: str, records: list[Record]) -> int:
     return len(rows)
 
 
+def _upgrade_header(path: str) -> None:
+    """Rewrite a CSV written before a column was added under today's header (the new columns
+    empty), so that appended rows line up with it."""
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), None)
+    if header is None or tuple(header) == CSV_FIELDS:
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k) or "" for k in CSV_FIELDS})
+
+
 def read_csv(path: str) -> list[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     for row in rows:
-        for key in ("y_value_50", "y_value_20", "y_value_80", "gbps", "pct_of_peak", "pct_of_copy",
-                    "tflops", "estimate_mb"):
+        for key in ("y_value_50", "y_value_20", "y_value_80", *EXTRAS):
             row[key] = float(row[key]) if row.get(key) not in (None, "") else math.nan
     return rows
 
@@ -172,7 +195,7 @@ def read_json(path: str) -> list[Record]:
         nan = lambda v: math.nan if v is None else v  # noqa: E731
         points = [Point(x=item["x_values"][i], y50=nan(item["y_values_50"][i]), y20=nan(item["y_values_20"][i]),
                         y80=nan(item["y_values_80"][i]), status=item["status"][i], note=item["note"][i],
-                        **{k: extra(k, i) for k in ("gbps", "pct_of_peak", "pct_of_copy", "tflops", "estimate_mb")})
+                        **{k: extra(k, i) for k in EXTRAS})
                   for i in range(n)]
         out.append(Record(**{k: item[k] for k in heads}, points=points))
     return out

@@ -160,12 +160,14 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
     """Per kernel and GPU, over every D1/D2 point of ``mode``: how many points onca is below the
     fastest peer (its time / onca's below 1), each such point with that ratio, the peer and onca's
     share of the copy bandwidth where known, how many of those points onca is at the copy-bandwidth
-    limit (``AT_COPY_LIMIT_PCT``), and onca's largest peak memory relative to liger-kernel's. A
-    ratio only ever compares rows of one GPU; a kernel measured on two GPUs gets a line for each
-    (the newest onca run's GPU first). Empty if there are no such records."""
+    limit (``AT_COPY_LIMIT_PCT``), onca's and the peer's device time where both were measured (at
+    or below the peer's: the point is host-bound), and onca's largest peak memory relative to
+    liger-kernel's. A ratio only ever compares rows of one GPU; a kernel measured on two GPUs gets
+    a line for each (the newest onca run's GPU first). Empty if there are no such records."""
     speed: dict[tuple, dict[str, float]] = {}
     memory: dict[tuple, dict[str, float]] = {}
     copy_pct: dict[tuple, float] = {}  # onca's share of the copy bandwidth, per speed point
+    device: dict[tuple, dict[str, float]] = {}  # device time (CUDA-graph replay) per point, provider
     newest: dict[tuple, str] = {}
     for r in rows:
         if r["sweep"] not in ("d1", "d2") or r["kernel_operation_mode"] != mode or r["status"] != "ok":
@@ -178,6 +180,12 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
         x = f"{r['x_name']} {r['x_value']}" if r.get("x_name") else str(r["x_value"])
         key = (*where, r["sweep"], x)
         table_.setdefault(key, {})[r["kernel_provider"]] = r["y_value_50"]
+        if table_ is speed:  # a later row's device time replaces an earlier one's, or its absence
+            device_ms = r.get("device_ms")
+            held = device.setdefault(key, {})
+            held.pop(r["kernel_provider"], None)
+            if isinstance(device_ms, float) and not math.isnan(device_ms):
+                held[r["kernel_provider"]] = device_ms
         if r["kernel_provider"] == "onca":
             newest[where] = max(newest.get(where, ""), r.get("timestamp", ""))
             pct = r.get("pct_of_copy")
@@ -189,21 +197,31 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
     for op, gpu in order:
         points = [(k, v) for k, v in speed.items() if k[:2] == (op, gpu) and "onca" in v
                   and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
-        behind, at_limit = [], 0
+        behind, at_limit, host_bound = [], 0, 0
         for key, times in points:
             peers = [(p, t) for p, t in times.items() if p != "onca" and not p.endswith(LIMIT_SUFFIX)]
             peer, best = min(peers, key=lambda pt: pt[1])
             if best < times["onca"]:
                 pct = copy_pct.get(key)
                 at_limit += pct is not None and pct >= AT_COPY_LIMIT_PCT
-                bandwidth = "" if pct is None else f" (onca at {pct:.0f}% of copy bandwidth)"
-                behind.append(f"{key[2]} {key[3]}: {best / times['onca']:.2f}x {peer}{bandwidth}")
+                causes = [] if pct is None else [f"onca at {pct:.0f}% of copy bandwidth"]
+                ours, theirs = device.get(key, {}).get("onca"), device.get(key, {}).get(peer)
+                if ours is not None and theirs is not None:
+                    # Onca's kernels at or ahead of the peer's: what it loses is host time.
+                    host_bound += ours <= theirs
+                    causes.append(f"device time {ours:.3f} vs {theirs:.3f} ms"
+                                  + (": host-bound" if ours <= theirs else ""))
+                cause = f" ({'; '.join(causes)})" if causes else ""
+                behind.append(f"{key[2]} {key[3]}: {best / times['onca']:.2f}x {peer}{cause}")
         ratios = [m["onca"] / m["liger"] for k, m in memory.items()
                   if k[:2] == (op, gpu) and m.get("onca") and m.get("liger")]
         memory_note = (f"peak memory at most {max(ratios):.2f}x liger's" if ratios
                        else "no liger-kernel memory to compare")
         on = f" on {short_gpu_name(gpu)} ({newest[(op, gpu)][:10]})" if gpu else ""
-        limit_note = f" ({at_limit} of them at the copy-bandwidth limit)" if at_limit else ""
+        notes = [f"{at_limit} of them at the copy-bandwidth limit"] if at_limit else []
+        if host_bound:
+            notes.append(f"{host_bound} host-bound, onca's device time at or below the peer's")
+        limit_note = f" ({', '.join(notes)})" if notes else ""
         lines.append(f"{op}{on}: below the fastest peer at {len(behind)} of {len(points)} points"
                      f"{limit_note}; {memory_note}")
         lines += [f"    {b}" for b in behind]
