@@ -66,6 +66,9 @@ class RowPlan:
     onchip_bytes: int
     persistent: bool
     profile: str
+    # Whether a row split into column tiles carries state across them (a row statistic: the kernel
+    # reads the row twice); without, each column tile is finished in one pass.
+    row_state: bool = True
 
     @property
     def single_pass(self) -> bool:
@@ -92,7 +95,8 @@ class RowPlan:
         return range(start, min(start + self.block_cols, self.cols))
 
     def describe(self) -> str:
-        path = "single pass" if self.single_pass else f"{self.col_tiles} column tiles (two passes)"
+        passes = "two passes" if self.row_state else "one pass"
+        path = "single pass" if self.single_pass else f"{self.col_tiles} column tiles ({passes})"
         return (
             f"{self.rows} x {self.cols} on {self.profile}: tile {self.block_rows} x {self.block_cols} "
             f"({self.tile_bytes} of {self.onchip_bytes} on-chip bytes), {path}, "
@@ -115,6 +119,8 @@ def plan_rows(
     max_block_rows: int | None = None,
     max_block_cols: int | None = None,
     max_programs: int | None = None,
+    row_state: bool = True,
+    gpu_block_rows: int | None = None,
 ) -> RowPlan:
     """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
 
@@ -128,16 +134,23 @@ def plan_rows(
     tile where its own structure needs it (e.g. a rotary half width). ``max_programs`` caps the
     grid (the kernels loop over row blocks, so any grid covers every row): a reduction over all
     rows done by one program can store its result instead of adding partial sums.
+
+    ``row_state=False`` declares a kernel whose column tiles are independent (no per-row state
+    carried across them, as an elementwise map with column sums): a row too wide for one tile is
+    still covered in one pass, so its tiles get the whole budget and may hold several rows.
+    ``gpu_block_rows`` replaces the GPU's rows-per-tile rule (``_gpu_block_rows``) with a kernel's
+    own measured choice; the budget, the largest tile and the spread over compute units still cap it.
     """
     return _plan_rows(
         int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
-        int(column_fp32), persistent, max_block_rows, max_block_cols, max_programs,
+        int(column_fp32), persistent, max_block_rows, max_block_cols, max_programs, bool(row_state),
+        gpu_block_rows,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, persistent, max_block_rows,
-               max_block_cols, max_programs) -> RowPlan:
+               max_block_cols, max_programs, row_state, gpu_block_rows) -> RowPlan:
     if rows < 1 or cols < 1:
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
     if max_programs is not None and max_programs < 1:
@@ -161,7 +174,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
             f"({min_block} columns, {min_block * (bytes_per_col + column_bytes)} bytes) do not fit the "
             f"{profile.onchip_bytes}-byte on-chip budget of profile {profile.name!r}"
         )
-    if next_power_of_2(cols) > widest:
+    if next_power_of_2(cols) > widest and row_state:
         # Two passes: the kernel carries per-row state across tiles and reloads each tile, so it
         # gets half the budget (room for that state, and for the next tile's loads in flight).
         widest = max(min_block, widest // 2)
@@ -170,7 +183,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
     is_persistent = profile.persistent if persistent is None else persistent
 
     block_rows = 1
-    if col_tiles == 1:
+    if col_tiles == 1 or not row_state:
         fit = _floor_power_of_2(
             min((profile.onchip_bytes - column_bytes * block_cols) // (bytes_per_col * block_cols),
                 max_elements // block_cols)
@@ -179,7 +192,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
         spread = _floor_power_of_2(max(1, rows // units))
         block_rows = min(fit, spread, next_power_of_2(rows))
         if profile.tile_elements:
-            block_rows = min(block_rows, _gpu_block_rows(profile, block_cols, is_persistent))
+            block_rows = min(block_rows, gpu_block_rows or _gpu_block_rows(profile, block_cols, is_persistent))
         if max_block_rows is not None:
             block_rows = min(block_rows, _floor_power_of_2(max_block_rows))
         block_rows = max(1, block_rows)
@@ -203,6 +216,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
         onchip_bytes=profile.onchip_bytes,
         persistent=is_persistent,
         profile=profile.name,
+        row_state=row_state,
     )
 
 

@@ -80,6 +80,18 @@ def test_column_tiled_path(profile, device, onchip_bytes, dtype):
     check(x, *params(cols, dtype, device, per_channel=True))
 
 
+def test_backward_tiles_of_several_rows_and_column_tiles(profile, device, onchip_bytes):
+    """The backward's column tiles are independent, so its tiles may hold several rows of a row
+    that takes several tiles (the plan the planner gives DyT's widest rows on a GPU); forced here
+    with a budget that fits two rows of a 512-column tile of a 600-wide fp32 row."""
+    forced = onchip_bytes(40000)
+    rows, cols = (4, 5), 600
+    p = op.plan((*rows, cols), torch.float32, forced)["backward"]
+    assert p.col_tiles > 1 and p.block_rows > 1 and "(one pass)" in p.describe()
+    x = randn(*rows, cols, dtype=torch.float32, device=device, std=2.0)
+    check(x, *params(cols, torch.float32, device))
+
+
 def test_saturates_without_overflow(device):
     x = torch.tensor([[-1e30, -50.0, 0.0, 50.0, 1e30]], device=device)
     alpha, w, b = params(5, torch.float32, device, bias=False)
