@@ -14,7 +14,7 @@ SHAPES = [(1, 1), (1, 64), (37, 1000), (16384, 4096), (3, 65536), (7, 131072), (
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TILES = [dict(live_tiles=3, fp32_tiles=2), dict(live_tiles=4, fp32_tiles=4), dict(live_tiles=1),
          dict(live_tiles=4, fp32_tiles=4, column_fp32=3),
-         dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False, gpu_block_rows=4)]
+         dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False, min_gpu_rows=4, max_gpu_rows=4)]
 
 
 def _bytes_per_col(dtype, tiles):
@@ -93,21 +93,25 @@ def test_column_values_count_once_per_block():
 def test_independent_column_tiles_take_the_whole_budget_and_several_rows():
     """A kernel without per-row state (DyT's backward) covers a row too wide for one tile in one
     pass: its tiles are not halved as a two-pass kernel's are, may hold several rows, and the plan
-    says "one pass"; ``gpu_block_rows`` sets the rows of a GPU tile, under the budget's cap."""
+    says "one pass"; ``min_gpu_rows``/``max_gpu_rows`` bound the rows of a GPU tile, under the
+    budget's cap."""
     h100 = PROFILES["h100"]
     wide = dict(rows=16384, cols=16384, dtype=torch.bfloat16, live_tiles=4, fp32_tiles=4, column_fp32=3,
                 profile=h100, persistent=True)
-    two_pass, one_pass = plan_rows(**wide), plan_rows(**wide, row_state=False, gpu_block_rows=4)
+    two_pass, one_pass = plan_rows(**wide), plan_rows(**wide, row_state=False, min_gpu_rows=4)
     assert (two_pass.block_rows, two_pass.block_cols) == (1, 4096) and "(two passes)" in two_pass.describe()
     assert (one_pass.block_rows, one_pass.block_cols) == (2, 8192)  # 4 rows asked, 2 fit the budget
     assert "2 column tiles (one pass)" in one_pass.describe() and one_pass.tile_bytes <= h100.onchip_bytes
     narrow = dict(rows=16384, cols=1024, dtype=torch.bfloat16, live_tiles=4, fp32_tiles=4, profile=h100,
                   persistent=True)
     assert plan_rows(**narrow).block_rows == 8  # the GPU rule for persistent kernels
-    assert plan_rows(**narrow, gpu_block_rows=4).block_rows == 4
+    assert plan_rows(**narrow, max_gpu_rows=4).block_rows == 4
+    assert plan_rows(**narrow, min_gpu_rows=4).block_rows == 8  # a floor under the rule's 8
+    assert plan_rows(**{**narrow, "cols": 4096}).block_rows == 2
+    assert plan_rows(**{**narrow, "cols": 4096}, min_gpu_rows=4).block_rows == 4
     # Not a GPU: the budget alone decides, whatever the GPU rows.
     ascend = PROFILES["ascend910b2"]
-    assert (plan_rows(**{**narrow, "profile": ascend}, gpu_block_rows=4)
+    assert (plan_rows(**{**narrow, "profile": ascend}, min_gpu_rows=4, max_gpu_rows=4)
             == plan_rows(**{**narrow, "profile": ascend}))
 
 

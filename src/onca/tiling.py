@@ -120,7 +120,8 @@ def plan_rows(
     max_block_cols: int | None = None,
     max_programs: int | None = None,
     row_state: bool = True,
-    gpu_block_rows: int | None = None,
+    min_gpu_rows: int | None = None,
+    max_gpu_rows: int | None = None,
 ) -> RowPlan:
     """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
 
@@ -138,19 +139,20 @@ def plan_rows(
     ``row_state=False`` declares a kernel whose column tiles are independent (no per-row state
     carried across them, as an elementwise map with column sums): a row too wide for one tile is
     still covered in one pass, so its tiles get the whole budget and may hold several rows.
-    ``gpu_block_rows`` replaces the GPU's rows-per-tile rule (``_gpu_block_rows``) with a kernel's
-    own measured choice; the budget, the largest tile and the spread over compute units still cap it.
+    ``min_gpu_rows`` / ``max_gpu_rows`` bound the rows the GPU's rows-per-tile rule
+    (``_gpu_block_rows``) gives, where a kernel measured other rows faster; the budget, the largest
+    tile and the spread over compute units still cap them, and other devices ignore them.
     """
     return _plan_rows(
         int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
         int(column_fp32), persistent, max_block_rows, max_block_cols, max_programs, bool(row_state),
-        gpu_block_rows,
+        min_gpu_rows, max_gpu_rows,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, persistent, max_block_rows,
-               max_block_cols, max_programs, row_state, gpu_block_rows) -> RowPlan:
+               max_block_cols, max_programs, row_state, min_gpu_rows, max_gpu_rows) -> RowPlan:
     if rows < 1 or cols < 1:
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
     if max_programs is not None and max_programs < 1:
@@ -192,7 +194,9 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
         spread = _floor_power_of_2(max(1, rows // units))
         block_rows = min(fit, spread, next_power_of_2(rows))
         if profile.tile_elements:
-            block_rows = min(block_rows, gpu_block_rows or _gpu_block_rows(profile, block_cols, is_persistent))
+            gpu_rows = _gpu_block_rows(profile, block_cols, is_persistent)
+            gpu_rows = max(gpu_rows, min_gpu_rows or 1)
+            block_rows = min(block_rows, gpu_rows if max_gpu_rows is None else min(gpu_rows, max_gpu_rows))
         if max_block_rows is not None:
             block_rows = min(block_rows, _floor_power_of_2(max_block_rows))
         block_rows = max(1, block_rows)
