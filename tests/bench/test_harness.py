@@ -70,12 +70,12 @@ def test_a_factory_that_takes_the_mode_is_built_for_each_mode():
 
 
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])
-def test_gated_activations_write_gradients_over_their_inputs_outside_the_backward_mode(op):
+def test_gated_activations_write_gradients_over_their_inputs_outside_the_backward_mode(op, device):
     """In the full mode Onca reuses ``a``/``b`` for their gradients, as liger-kernel and the patched
     MLPs do (the memory comparison is like for like); the backward mode keeps them."""
     bench = harness.load(op)
     for mode, overwrites in (("full", True), ("backward", False)):
-        inputs = bench.make_inputs({"tokens": 4, "intermediate": 8}, torch.float32, "cpu")
+        inputs = bench.make_inputs({"tokens": 4, "intermediate": 8}, torch.float32, device)
         a = inputs["a"]
         out = build(bench.onca, {}, inputs, mode)()
         out.backward(torch.ones_like(out))
@@ -228,6 +228,14 @@ def test_a_csv_from_before_a_new_column_is_rewritten_under_the_new_header(tmp_pa
     assert rows[1]["device_ms"] == 0.25
     records.write_json(str(tmp_path / "toy.json"), [rec])
     assert records.read_json(str(tmp_path / "toy.json"))[0].points[0].device_ms == 0.25
+
+
+def test_peak_memory_counts_the_inputs_once_whatever_their_views():
+    """The inputs' bytes subtracted from what is allocated (the rest belongs to another provider's
+    leftovers) are their distinct storages: a view of an input is not counted twice."""
+    base = torch.zeros(64, 8)
+    values = [base, base.t(), base[1:], torch.zeros(10, dtype=torch.float16), "not a tensor"]
+    assert harness._tensor_bytes(values) == 64 * 8 * 4 + 10 * 2
 
 
 def test_the_device_time_of_a_points_first_round_is_kept(monkeypatch):
