@@ -11,7 +11,9 @@ For each point of a sweep and each provider, the harness
    point is timed again in that many rounds, the providers taking turns, and each keeps its fastest
    round: on a shared host the same call's time drifts by 2-3x over seconds at host-bound sizes,
    and a one-shot measurement taken during a slow spell would decide the ratio;
-3. measures the peak memory of each mode (``torch.cuda.max_memory_allocated``, inputs included);
+3. measures the peak memory of each mode (``torch.cuda.max_memory_allocated``, inputs included)
+   and, once per point, its device time (the call captured in a CUDA graph and replayed under
+   ``do_bench``: the GPU's time without the host path, ``Point.device_ms``);
 4. turns bytes moved into GB/s and percent of the profile's peak and of the measured copy bandwidth,
    and FLOPs into TFLOP/s, where the op declares them.
 
@@ -370,8 +372,8 @@ class Harness:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step()
-            ms = triton.testing.do_bench(graph.replay, warmup=self.settings.warmup_ms, rep=self.settings.rep_ms,
-                                         return_mode="median")
+            ms = triton.testing.do_bench(graph.replay, warmup=self.settings.warmup_ms,
+                                         rep=self.settings.rep_ms, return_mode="median")
             return float(ms)
         except Exception:  # noqa: BLE001 (not capturable: the time a caller sees still stands)
             return None

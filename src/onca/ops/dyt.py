@@ -45,7 +45,8 @@ FORWARD_TILES = dict(live_tiles=4, fp32_tiles=3)  # x, w, b, y; x, tanh, y in fp
 # (backward op, device time, 16384 rows): hidden 1024 134 -> 89 us (4 x 1024 at 4 warps), 4096
 # 202 -> 166 (4 x 4096 at 16 warps), 16384 832 -> 621 (2 x 8192 at 16 warps, liger-kernel 621);
 # 2048 keeps 4 x 2048 (107), 5376 and 8192 2 x 8192 (the budget's cap).
-BACKWARD_TILES = dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False, min_gpu_rows=4, max_gpu_rows=4)
+BACKWARD_TILES = dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False,
+                      min_gpu_rows=4, max_gpu_rows=4)
 
 
 # ----------------------------------------------------------------------------------------- kernels
