@@ -109,6 +109,8 @@ def test_independent_column_tiles_take_the_whole_budget_and_several_rows():
     assert plan_rows(**narrow, min_gpu_rows=4).block_rows == 8  # a floor under the rule's 8
     assert plan_rows(**{**narrow, "cols": 4096}).block_rows == 2
     assert plan_rows(**{**narrow, "cols": 4096}, min_gpu_rows=4).block_rows == 4
+    with pytest.raises(TilingError, match="max_gpu_rows must be a positive int or None, got 0"):
+        plan_rows(**narrow, max_gpu_rows=0)
     # Not a GPU: the budget alone decides, whatever the GPU rows.
     ascend = PROFILES["ascend910b2"]
     assert (plan_rows(**{**narrow, "profile": ascend}, min_gpu_rows=4, max_gpu_rows=4)

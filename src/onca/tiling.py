@@ -157,6 +157,9 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
     if max_programs is not None and max_programs < 1:
         raise TilingError(f"max_programs must be at least 1, got {max_programs}")
+    for name, value in (("min_gpu_rows", min_gpu_rows), ("max_gpu_rows", max_gpu_rows)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise TilingError(f"{name} must be a positive int or None, got {value!r}")
     units = profile.compute_units if max_programs is None else min(profile.compute_units, max_programs)
     if live_tiles < 0 or fp32_tiles < 0 or live_tiles + fp32_tiles < 1:
         raise TilingError(f"a kernel needs at least one live tile (live={live_tiles}, fp32={fp32_tiles})")
