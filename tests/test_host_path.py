@@ -57,28 +57,41 @@ def test_launches_per_step(op):
         assert len(kernels) <= MAX_TORCH_KERNELS[op], f"{op} launches {len(kernels)} torch kernels: {kernels}"
 
 
-def _norm_calls():
+def _row_op_calls():
+    import torch
+
+    from onca.ops.dyt import dyt
     from onca.ops.fused_add_rms_norm import fused_add_rms_norm
+    from onca.ops.geglu import geglu
     from onca.ops.layer_norm import layer_norm
     from onca.ops.rms_norm import rms_norm
+    from onca.ops.softmax import softmax
+    from onca.ops.sparsemax import sparsemax
+    from onca.ops.swiglu import swiglu
 
-    return {"rms_norm": lambda x, w: rms_norm(x, w), "layer_norm": lambda x, w: layer_norm(x, w),
-            "fused_add_rms_norm": lambda x, w: fused_add_rms_norm(x, x.detach().clone(), w)[0]}
+    return {
+        "rms_norm": lambda x, w: rms_norm(x, w), "layer_norm": lambda x, w: layer_norm(x, w),
+        "fused_add_rms_norm": lambda x, w: fused_add_rms_norm(x, x.detach().clone(), w)[0],
+        "dyt": lambda x, w: dyt(x, torch.tensor(0.5), w), "softmax": lambda x, w: softmax(x),
+        "sparsemax": lambda x, w: sparsemax(x), "swiglu": lambda x, w: swiglu(x, x.detach().clone()),
+        "geglu": lambda x, w: geglu(x, x.detach().clone()),
+    }
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
-def test_norms_take_their_input_whole(op):
-    """A 3-D input reaches the norm's autograd node as it is: no view node before or after it (the
-    reshape to rows happens inside the op, where autograd records nothing). Each view node is one
-    more op on the host in the forward and one more node for the engine in the backward."""
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm", "dyt", "softmax", "sparsemax",
+                                "swiglu", "geglu"])
+def test_row_ops_take_their_input_whole(op):
+    """A 3-D input reaches the op's autograd node as it is: no view node before or after it (the
+    op reads its rows in place, with their stride, where autograd records nothing). Each view node
+    is one more op on the host in the forward and one more node for the engine in the backward."""
     import torch
 
     x = torch.randn(2, 3, 8, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
     with stubbed_launches([0]):  # the graph's structure is the question, not the values: any machine
-        y = _norm_calls()[op](x, w)
+        y = _row_op_calls()[op](x, w)
     assert y.shape == x.shape
-    assert y.grad_fn.name().startswith(f"{op}_forward_function"), y.grad_fn.name()
+    assert y.grad_fn.name() == f"{op}_forward_functionBackward", y.grad_fn.name()
     assert {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None} <= {"AccumulateGrad"}
 
 

@@ -42,6 +42,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/integrations/test_compile.py", "tests/integrations/test_cuda_graph.py", "tests/bench",
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
         "tests/test_host_path.py", "tests/test_kernel_times.py", "tests/test_step_kernels.py", "tests/ops/test_launch.py",
+        "tests/ops/test_rows.py",
     ),
     "9": ("tests/integrations/test_kernels_mapping.py", "tests/integrations/test_trl.py"),  # kernels, TRL
     "10": ("tests/ops/test_dyt.py", "tests/nn/test_dyt.py", "tests/ops/test_poly_norm.py", "tests/nn/test_poly_norm.py",

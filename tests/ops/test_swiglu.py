@@ -181,6 +181,11 @@ def test_overwrite_inputs_writes_the_gradients_over_a_and_b(device):
     # A second backward would read the gradients as the saved inputs: refused, not wrong.
     with pytest.raises(RuntimeError, match=r"retain_graph=True\), use overwrite_inputs=False"):
         torch.autograd.grad(out, (a2, b2), dc)
+    # Through .backward(), the leaves' .grad are their own storage: handed over, not copied.
+    a3, b3 = leaf(a), leaf(b)
+    swiglu(a3, b3, overwrite_inputs=True).backward(dc)
+    assert a3.grad.data_ptr() == a3.data_ptr() and b3.grad.data_ptr() == b3.data_ptr()
+    assert torch.equal(a3.grad, expected[0]) and torch.equal(b3.grad, expected[1])
     # Fused: the gradient is the fused buffer itself.
     g = leaf(torch.cat([a, b], dim=-1))
     (dg,) = torch.autograd.grad(swiglu(g, None, overwrite_inputs=True), (g,), dc)

@@ -43,6 +43,16 @@ def tracing(*tensors) -> bool:
     return any(t is not None and type(t) not in _PLAIN for t in tensors)
 
 
+def _traced(args: tuple) -> bool:
+    """:func:`tracing` of an op's arguments, whatever their types: one loop, it runs every call."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return True
+    return False
+
+
 class Op:
     """One launcher registered as ``torch.ops.onca.<name>``, callable on either route."""
 
@@ -67,7 +77,7 @@ class Op:
         return getattr(getattr(torch.ops, NAMESPACE), self.name).default
 
     def __call__(self, *args):
-        if tracing(*(a for a in args if isinstance(a, torch.Tensor))):
+        if _traced(args):
             return self.registered(*args)
         if self._function is not None and torch.is_grad_enabled():
             return self._function.apply(*args)

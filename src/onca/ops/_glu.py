@@ -50,10 +50,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import Op, custom_op, register_autograd, tracing
-from onca.ops._launch import fast_launch
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._launch import fast_launch, launch_config
+from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
 
@@ -200,56 +200,72 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     }
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``t`` as 2-D rows (a zero-width ``t`` too, which ``as_rows``' ``view(-1, 0)`` cannot)."""
-    return as_rows(t) if t.shape[-1] else t.reshape(rows_cols(t.shape))
-
-
 def _halves(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The gate and up row views; with ``up=None``, ``gate`` is ``[gate | up]`` and they are its
-    halves."""
+    """The gate and up inputs; with ``up=None``, ``gate`` is ``[gate | up]`` and they are its
+    halves (views over its rows)."""
     if up is None:
-        half = gate.shape[1] // 2
-        return gate[:, :half], gate[:, half:]
+        half = gate.shape[-1] // 2
+        return gate[..., :half], gate[..., half:]
     return gate, up
+
+
+def _glu_launch(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
+    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
+
+    def make():
+        p = plan_rows(rows, cols, dtype, **tiles)
+        return (p.grid,), {**constexprs, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
+                           "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
+
+    return launch_config(key, make)
 
 
 def _product(a: Tensor, b: Tensor, activation: int, gate_multiplier: float,
              down_multiplier: float) -> Tensor:
-    """``act(a * gate_multiplier) * b * down_multiplier``, a new ``(rows, cols)`` tensor."""
-    rows, cols = a.shape
-    c = torch.empty((rows, cols), dtype=a.dtype, device=a.device)
-    if c.numel() == 0:
+    """``act(a * gate_multiplier) * b * down_multiplier``, a new contiguous tensor of ``a``'s
+    shape (``a`` and ``b`` of any leading shape, the same)."""
+    cols = a.shape[-1]
+    c = a.new_empty(a.shape)
+    a, rows, a_stride = rows_in_place(a)
+    if rows == 0 or cols == 0:
         return c
-    p = plan_rows(rows, cols, a.dtype, **FORWARD_TILES)
-    _glu_forward_kernel[(p.grid,)](
-        a, b, c,
-        rows, cols, a.stride(0), b.stride(0), c.stride(0),
-        gate_multiplier, down_multiplier,
-        ACTIVATION=activation, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-        num_warps=p.num_warps,
-    )
+    b, _, b_stride = rows_in_place(b)
+    grid, kwargs = _glu_launch(_glu_forward_kernel, rows, cols, a.dtype, FORWARD_TILES,
+                               {"ACTIVATION": activation})
+    _glu_forward_kernel[grid](a, b, c, rows, cols, a_stride, b_stride, cols, gate_multiplier, down_multiplier,
+                              **kwargs)
     return c
 
 
 def _product_backward(dc, a, b, da, db, activation: int, gate_multiplier: float, down_multiplier: float,
                       product: Tensor | None = None) -> None:
-    """Write ``da`` and ``db`` for ``dc`` (and, if given, the recomputed product into ``product``)."""
-    rows, cols = a.shape
-    if a.numel() == 0:
+    """Write ``da`` and ``db`` for ``dc`` (and, if given, the recomputed product into ``product``);
+    every tensor of ``a``'s leading shape and columns, read and written in place."""
+    cols = a.shape[-1]
+    a, rows, a_stride = rows_in_place(a)
+    if rows == 0 or cols == 0:
         return
     store_c = product is not None
-    p = plan_rows(rows, cols, a.dtype, **(PRODUCT_BACKWARD_TILES if store_c else BACKWARD_TILES))
     c = product if store_c else dc  # unused (never stored to) without STORE_C
-    _glu_backward_kernel[(p.grid,)](
-        dc, a, b, da, db, c,
-        rows, cols,
-        dc.stride(0), a.stride(0), b.stride(0), da.stride(0), db.stride(0), c.stride(0),
-        gate_multiplier, down_multiplier,
-        ACTIVATION=activation, STORE_C=store_c,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-        num_warps=p.num_warps,
-    )
+    dc, _, dc_stride = rows_in_place(dc)
+    b, _, b_stride = rows_in_place(b)
+    c, _, c_stride = rows_in_place(c)
+    # The gradients are written in place: each is a contiguous tensor or a half of one.
+    da_stride, db_stride = _row_stride_of_output(da), _row_stride_of_output(db)
+    grid, kwargs = _glu_launch(_glu_backward_kernel, rows, cols, a.dtype,
+                               PRODUCT_BACKWARD_TILES if store_c else BACKWARD_TILES,
+                               {"ACTIVATION": activation, "STORE_C": store_c})
+    _glu_backward_kernel[grid](dc, a, b, da, db, c, rows, cols, dc_stride, a_stride, b_stride, da_stride,
+                               db_stride, c_stride, gate_multiplier, down_multiplier, **kwargs)
+
+
+def _row_stride_of_output(t: Tensor) -> int:
+    """The row stride of a gradient the kernel writes: a contiguous tensor, or a half of one (an
+    input overwritten in place, or the ``[gate | up]`` gradient), which reads in place."""
+    ready, _, stride = rows_in_place(t)
+    if ready is not t:
+        raise RuntimeError("internal: a gated-activation gradient must be one the kernel writes in place")
+    return stride
 
 
 def _input_gradients(gate: Tensor, up: Tensor | None, overwrite_inputs: bool):
@@ -257,7 +273,9 @@ def _input_gradients(gate: Tensor, up: Tensor | None, overwrite_inputs: bool):
     the ``(da, db)`` row views the kernel writes: over ``gate``/``up`` themselves when
     ``overwrite_inputs``, else in new tensors."""
     if overwrite_inputs:
-        d_gate, d_up = gate, up
+        # New tensor objects over the inputs' storage: autograd hands a gradient to a leaf's .grad
+        # without a copy only when nothing else holds the tensor object (the caller holds gate).
+        d_gate, d_up = gate.detach(), None if up is None else up.detach()
     else:
         d_gate = gate.new_empty(gate.shape)
         d_up = None if up is None else up.new_empty(up.shape)
@@ -305,14 +323,14 @@ def register_gated(name: str) -> tuple[Op, Op]:
     @custom_op(f"{name}_forward")
     def forward(gate: Tensor, up: Tensor | None, activation: int, gate_multiplier: float,
                 down_multiplier: float, overwrite_inputs: bool) -> Tensor:
-        """The 2-D product; ``up=None``: ``gate`` is ``[gate | up]``. ``overwrite_inputs`` is the
-        backward's."""
+        """The product, in ``gate``'s leading shape; ``up=None``: ``gate`` is ``[gate | up]``.
+        ``overwrite_inputs`` is the backward's."""
         return _product(*_halves(gate, up), activation, gate_multiplier, down_multiplier)
 
     @forward.register_fake
     def _(gate, up, activation, gate_multiplier, down_multiplier, overwrite_inputs):
         a, _ = _halves(gate, up)
-        return gate.new_empty(a.shape)
+        return a.new_empty(a.shape)
 
     @custom_op(f"{name}_backward")
     def backward(dc: Tensor, gate: Tensor, up: Tensor | None, activation: int, gate_multiplier: float,
@@ -336,7 +354,7 @@ def register_gated(name: str) -> tuple[Op, Op]:
     def backward_of_forward(ctx, dc):
         gate, up = ctx.saved_tensors
         overwrite = _overwrite_now(ctx, dc, gate, up)
-        d_gate, d_up = backward(_rows(dc), gate, up, ctx.activation, ctx.gate_multiplier,
+        d_gate, d_up = backward(dc, gate, up, ctx.activation, ctx.gate_multiplier,
                                 ctx.down_multiplier, overwrite)
         return d_gate, (None if up is None else d_up), None, None, None, None
 
@@ -362,7 +380,7 @@ def register_gated_linear(name: str) -> tuple[Op, Op]:
 
     @forward.register_fake
     def _(gate, up, weight, bias, activation, gate_multiplier, down_multiplier, overwrite_inputs):
-        return gate.new_empty((gate.shape[0], weight.shape[0]))
+        return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
 
     @custom_op(f"{name}_backward")
     def backward(dout: Tensor, gate: Tensor, up: Tensor | None, weight: Tensor, bias: Tensor | None,
@@ -377,10 +395,13 @@ def register_gated_linear(name: str) -> tuple[Op, Op]:
         a, b = _halves(gate, up)
         _product_backward(d_product, a, b, da, db, activation, gate_multiplier, down_multiplier,
                           product=d_product)
-        d_weight = (dout.t() @ d_product).to(weight.dtype) if weight_grad else weight.new_empty(0)
+        # The parameter gradients sum over every leading position: as one matrix of rows.
+        dout_rows = dout.reshape(-1, dout.shape[-1])
+        d_weight = (dout_rows.t() @ d_product.reshape(-1, d_product.shape[-1])).to(weight.dtype) \
+            if weight_grad else weight.new_empty(0)
         d_bias = weight.new_empty(0)
         if bias is not None and bias_grad:
-            d_bias = dout.sum(0, dtype=torch.float32)
+            d_bias = dout_rows.sum(0, dtype=torch.float32)
             if down_multiplier != 1.0:
                 d_bias = d_bias * down_multiplier
             d_bias = d_bias.to(bias.dtype)
@@ -403,7 +424,7 @@ def register_gated_linear(name: str) -> tuple[Op, Op]:
         overwrite = _overwrite_now(ctx, dout, gate, up)
         weight_grad, bias_grad = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         d_gate, d_up, d_weight, d_bias = backward(
-            _rows(dout), gate, up, weight, bias, ctx.activation, ctx.gate_multiplier,
+            dout, gate, up, weight, bias, ctx.activation, ctx.gate_multiplier,
             ctx.down_multiplier, overwrite, weight_grad, bias_grad,
         )
         return (d_gate, None if up is None else d_up, d_weight if weight_grad else None,
@@ -473,9 +494,8 @@ def gated(forward: Op, a, b, activation: str, gate_multiplier, down_multiplier, 
     """Validate, then ``act(a * gate_multiplier) * b * down_multiplier`` through ``forward`` (a
     :func:`register_gated` op), in ``a``'s leading shape."""
     act = _check_gated(a, b, activation, gate_multiplier, down_multiplier, overwrite_inputs)
-    c = forward(_rows(a), None if b is None else _rows(b), act, float(gate_multiplier),
-                float(down_multiplier), overwrite_inputs)
-    return c.view(*a.shape[:-1], c.shape[-1])
+    return forward(rows_ready(a), None if b is None else rows_ready(b), act, float(gate_multiplier),
+                   float(down_multiplier), overwrite_inputs)
 
 
 def gated_linear(forward: Op, a, b, weight, bias, activation: str, gate_multiplier, down_multiplier,
@@ -484,6 +504,5 @@ def gated_linear(forward: Op, a, b, weight, bias, activation: str, gate_multipli
     through ``forward`` (a :func:`register_gated_linear` op), in ``a``'s leading shape."""
     act = _check_gated(a, b, activation, gate_multiplier, down_multiplier, overwrite_inputs)
     _check_linear(a, b, weight, bias)
-    out = forward(_rows(a), None if b is None else _rows(b), weight, bias, act, float(gate_multiplier),
-                  float(down_multiplier), overwrite_inputs)
-    return out.view(*a.shape[:-1], weight.shape[0])
+    return forward(rows_ready(a), None if b is None else rows_ready(b), weight, bias, act,
+                   float(gate_multiplier), float(down_multiplier), overwrite_inputs)

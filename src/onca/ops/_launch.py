@@ -36,7 +36,7 @@ import contextlib
 
 import torch
 
-__all__ = ["FastLaunch", "fast_launch", "specialization_key", "through_triton"]
+__all__ = ["FastLaunch", "fast_launch", "launch_config", "specialization_key", "through_triton"]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _UINT64_MIN = 1 << 63
@@ -46,6 +46,25 @@ _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_
                       "debug", "sanitize_overflow"})
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _SLOW = object()  # a cache entry meaning: this specialization launches through Triton
+
+
+# What a launch needs beyond its tensors (grid, keyword constexprs, buffer sizes), by everything it
+# depends on: planning and assembling them cost more host time per call than the launch itself at
+# the sizes where the host is the cost. Cleared when full: a run of ever-new shapes only re-plans.
+_CONFIGS: dict = {}
+_MAX_CONFIGS = 4096
+
+
+def launch_config(key: tuple, make):
+    """``make()``, computed once per ``key``: the key must hold everything the result depends on
+    (the kernel, the sizes, the dtype, the device profile, the constexprs asked for). The result is
+    shared between calls: callers never change it."""
+    entry = _CONFIGS.get(key)
+    if entry is None:
+        if len(_CONFIGS) >= _MAX_CONFIGS:
+            _CONFIGS.clear()
+        entry = _CONFIGS[key] = make()
+    return entry
 
 
 class _Runtime:

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import Op, custom_op, register_autograd
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._launch import launch_config
+from onca.ops._rows import rows_cols, rows_in_place
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = ["TWO_PASS_ELEMENTS_PER_THREAD", "plan_two_pass", "plans", "register_row_map"]
@@ -59,36 +60,47 @@ def plans(shape, dtype: torch.dtype, forward_tiles: dict, backward_tiles: dict,
     }
 
 
-def _constexprs(p: RowPlan) -> dict:
-    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
-            "num_warps": p.num_warps}
+def _launch(rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
+    p = plan_two_pass(rows, cols, dtype, tiles)
+    return (p.grid,), {**constexprs, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
+                       "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
+
+
+def _grid_and_constexprs(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
+    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
+    return launch_config(key, lambda: _launch(rows, cols, dtype, tiles, constexprs))
 
 
 def launch_forward(kernel, x: Tensor, tiles: dict, **constexprs) -> Tensor:
-    """``y`` (``x``'s dtype) from the forward ``kernel`` over the rows of the 2-D ``x``."""
-    rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
+    """``y`` (``x``'s dtype and shape, contiguous) from the forward ``kernel`` over the rows of
+    ``x`` (any leading shape)."""
+    cols = x.shape[-1]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
+    if rows == 0 or cols == 0:
         return y
-    p = plan_two_pass(rows, cols, x.dtype, tiles)
-    kernel[(p.grid,)](x, y, rows, cols, x.stride(0), y.stride(0), **constexprs, **_constexprs(p))
+    grid, kwargs = _grid_and_constexprs(kernel, rows, cols, x.dtype, tiles, constexprs)
+    kernel[grid](x, y, rows, cols, x_stride, cols, **kwargs)
     return y
 
 
 def launch_backward(kernel, dy: Tensor, y: Tensor, tiles: dict, **constexprs) -> Tensor:
-    """``dx`` (``y``'s dtype) from the backward ``kernel`` over the rows of the 2-D ``dy``/``y``."""
-    rows, cols = y.shape
-    dx = torch.empty((rows, cols), dtype=y.dtype, device=y.device)
-    if y.numel() == 0:
+    """``dx`` (``y``'s dtype and shape, contiguous) from the backward ``kernel`` over the rows of
+    ``dy`` and ``y`` (any leading shape, the same)."""
+    cols = y.shape[-1]
+    dx = torch.empty_like(y, memory_format=torch.contiguous_format)
+    y, rows, y_stride = rows_in_place(y)
+    if rows == 0 or cols == 0:
         return dx
-    p = plan_two_pass(rows, cols, y.dtype, tiles)
-    kernel[(p.grid,)](dy, y, dx, rows, cols, dy.stride(0), y.stride(0), dx.stride(0), **constexprs, **_constexprs(p))
+    dy, _, dy_stride = rows_in_place(dy)
+    grid, kwargs = _grid_and_constexprs(kernel, rows, cols, y.dtype, tiles, constexprs)
+    kernel[grid](dy, y, dx, rows, cols, dy_stride, y_stride, cols, **kwargs)
     return dx
 
 
 def register_row_map(name: str, forward_kernel, backward_kernel, forward_tiles: dict, backward_tiles: dict, *,
                      forward_doc: str, backward_doc: str, **forward_constexprs) -> Op:
-    """Register ``onca::<name>_forward`` (``y`` from the 2-D ``x``) and ``onca::<name>_backward``
+    """Register ``onca::<name>_forward`` (``y`` from ``x`` of any leading shape) and ``onca::<name>_backward``
     (``dx`` from ``dy`` and the saved ``y``) with autograd; return the forward op."""
 
     def forward(x: Tensor) -> Tensor:
@@ -100,15 +112,15 @@ def register_row_map(name: str, forward_kernel, backward_kernel, forward_tiles: 
     forward.__doc__, backward.__doc__ = forward_doc, backward_doc
     forward_op = custom_op(f"{name}_forward")(forward)
     backward_op = custom_op(f"{name}_backward")(backward)
-    forward_op.register_fake(lambda x: torch.empty_like(x))
-    backward_op.register_fake(lambda dy, y: torch.empty_like(y))
+    forward_op.register_fake(lambda x: x.new_empty(x.shape))
+    backward_op.register_fake(lambda dy, y: y.new_empty(y.shape))
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(output)
 
     def grad(ctx, dy):
         (y,) = ctx.saved_tensors
-        return backward_op(as_rows(dy), y)
+        return backward_op(dy, y)
 
     register_autograd(forward_op, grad, setup_context=setup_context)
     return forward_op

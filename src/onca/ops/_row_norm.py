@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
+from onca.ops._launch import launch_config
 from onca.ops._partials import fill_wanted, partial_buffer, sum_partials
 from onca.ops._rows import rows_cols
 from onca.tiling import RowPlan, plan_rows
@@ -54,10 +55,24 @@ def _plan_constexprs(p: RowPlan) -> dict:
             "num_warps": p.num_warps}
 
 
+def _forward_launch(rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
+    p = plan_rows(rows, cols, dtype, **tiles)
+    return (p.grid,), {**constexprs, **_plan_constexprs(p)}
+
+
 def launch_forward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, **constexprs) -> None:
     """Launch a row-norm forward ``kernel(*args)`` over ``rows x cols`` of ``dtype``."""
-    p = plan_rows(rows, cols, dtype, **tiles)
-    kernel[(p.grid,)](*args, **constexprs, **_plan_constexprs(p))
+    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
+    grid, kwargs = launch_config(key, lambda: _forward_launch(rows, cols, dtype, tiles, constexprs))
+    kernel[grid](*args, **kwargs)
+
+
+def _backward_launch(rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
+    """``(grid, keyword constexprs, direct, single_pass, programs)`` of a row-norm backward."""
+    direct = rows * cols <= DIRECT_MAX_ELEMENTS
+    p = backward_plan(rows, cols, dtype, tiles)
+    kwargs = {**constexprs, "DIRECT_PARTIALS": direct, **_plan_constexprs(p)}
+    return (p.grid,), kwargs, direct, p.single_pass, p.grid
 
 
 def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, *,
@@ -69,8 +84,9 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     ``row_stats``: how many fp32 values per row the column-tiled path keeps between its two phases.
     ``stand_in``: an fp32 tensor on the device, passed for any buffer this plan never touches.
     """
-    direct = rows * cols <= DIRECT_MAX_ELEMENTS
-    p = backward_plan(rows, cols, dtype, tiles)
+    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
+    grid, kwargs, direct, single_pass, programs = launch_config(
+        key, lambda: _backward_launch(rows, cols, dtype, tiles, constexprs))
     device = stand_in.device
     wanted = [d is not None for d in grad_dtypes]
     computed = [d for d in grad_dtypes if d is not None]
@@ -79,10 +95,9 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
         buffers = [torch.empty(cols, dtype=d, device=device) for d in computed]
     else:
         # One buffer with a plane per computed gradient: one fill, and one summing launch below.
-        planes = partial_buffer(p.grid, cols, device, planes=len(computed))
+        planes = partial_buffer(programs, cols, device, planes=len(computed))
         buffers = list(planes)
     partials = fill_wanted(wanted, buffers, stand_in)
-    scratch = (stand_in if p.single_pass
-               else torch.empty(row_stats * rows, dtype=torch.float32, device=device))
-    kernel[(p.grid,)](*args, *partials, scratch, DIRECT_PARTIALS=direct, **constexprs, **_plan_constexprs(p))
+    scratch = stand_in if single_pass else torch.empty(row_stats * rows, dtype=torch.float32, device=device)
+    kernel[grid](*args, *partials, scratch, **kwargs)
     return fill_wanted(wanted, buffers if direct else sum_partials(planes, computed))

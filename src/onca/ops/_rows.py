@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["as_rows", "as_rows_over", "from_rows_over", "new_rows", "rows_cols", "rows_ready",
+__all__ = ["as_rows", "moved_back", "moved_last", "new_rows", "rows_cols", "rows_in_place", "rows_ready",
            "views_as_rows"]
 
 
@@ -41,6 +41,31 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(rows, cols)
 
 
+def rows_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(t, rows, row_stride)``: ``t`` read as a ``(rows, last_dim)`` matrix with unit column
+    stride, as :func:`as_rows` gives it but without making the view: ``t`` itself where it is one
+    in place (see :func:`views_as_rows`), else a contiguous copy, with the stride between its rows.
+
+    For the launchers of ops whose host path is their cost at small sizes: inside an autograd op a
+    view costs several microseconds of host time, and a row kernel needs only the pointer and the
+    row stride."""
+    cols = t.shape[-1]
+    if not t.is_contiguous():
+        if views_as_rows(t):
+            return t, math.prod(t.shape[:-1]), _row_stride(t)
+        t = t.contiguous()
+    return t, (t.numel() // cols if cols else math.prod(t.shape[:-1])), cols
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    """The stride between the rows of ``t`` (one that :func:`views_as_rows`): its innermost
+    leading dimension's, size-1 dimensions aside; the row width where it has at most one row."""
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size != 1:
+            return stride
+    return t.shape[-1]
+
+
 def rows_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself where :func:`as_rows` reads it in place, else a contiguous copy.
 
@@ -58,17 +83,14 @@ def new_rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.T
     return out, out.view(math.prod(t.shape[:-1]), t.shape[-1])
 
 
-def as_rows_over(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``t`` as ``(rows, size of dim)``, with ``dim`` (non-negative) moved last (a copy unless it
-    already is last); undo with :func:`from_rows_over`."""
-    return as_rows(t if dim == t.dim() - 1 else t.movedim(dim, -1))
+def moved_last(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with ``dim`` (non-negative) moved last, ready for a row op that takes its input whole
+    (:func:`rows_ready`): ``t`` itself, with no view, where ``dim`` is already last and the layout
+    reads in place; undo on the op's result with :func:`moved_back`."""
+    return rows_ready(t if dim == t.dim() - 1 else t.movedim(dim, -1))
 
 
-def from_rows_over(rows: torch.Tensor, shape, dim: int) -> torch.Tensor:
-    """The ``(rows, size of dim)`` result of :func:`as_rows_over` in ``shape`` again (a view)."""
-    last = len(shape) - 1
-    if dim == last:
-        return rows.view(shape)
-    moved = list(shape)
-    moved.append(moved.pop(dim))
-    return rows.view(moved).movedim(-1, dim)
+def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The result of an op on :func:`moved_last`'s tensor with its last dimension at ``dim`` again
+    (a view; ``t`` itself where ``dim`` is last)."""
+    return t if dim == t.dim() - 1 else t.movedim(-1, dim)

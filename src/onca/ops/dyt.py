@@ -28,7 +28,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row, program_row_blocks
 from onca.ops._row_norm import launch_backward, launch_forward, plans
-from onca.ops._rows import as_rows
+from onca.ops._rows import rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_same_device
 from onca.tiling import RowPlan
 
@@ -170,14 +170,16 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 @custom_op("dyt_forward")
 def dyt_forward(x: Tensor, alpha: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``y`` for the 2-D ``x``; ``alpha`` has one element or one per column."""
-    rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    """``y`` for ``x`` of any leading shape; ``alpha`` has one element or one per column. The op
+    takes ``x`` whole: a reshape outside it would add autograd view nodes."""
+    cols = x.shape[-1]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
     if rows == 0:
         return y
     launch_forward(
         _dyt_forward_kernel,
-        (x, alpha, weight, x if bias is None else bias, y, rows, cols, x.stride(0), y.stride(0)),
+        (x, alpha, weight, x if bias is None else bias, y, rows, cols, x_stride, cols),
         rows, cols, x.dtype, FORWARD_TILES,
         ALPHA_PER_CHANNEL=_per_channel(alpha), HAS_BIAS=bias is not None,
     )
@@ -191,16 +193,19 @@ def _per_channel(alpha: Tensor) -> bool:
 
 @dyt_forward.register_fake
 def _(x, alpha, weight, bias):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @custom_op("dyt_backward")
 def dyt_backward(dy: Tensor, x: Tensor, alpha: Tensor, weight: Tensor, bias: Tensor | None, compute_dalpha: bool,
                  compute_dweight: bool, compute_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dalpha, dweight, dbias)``, each parameter gradient in its parameter's dtype and
-    shape; one not computed is empty. ``bias`` is read for its dtype only."""
-    rows, cols = x.shape
-    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    shape; one not computed is empty. ``bias`` is read for its dtype only. ``dy``, ``x`` and
+    ``dx`` have any leading shape, the same."""
+    cols = x.shape[-1]
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
+    dy, _, dy_stride = rows_in_place(dy)
     dtypes = (torch.float32 if compute_dalpha else None, weight.dtype if compute_dweight else None,
               bias.dtype if compute_dbias else None)
     if rows == 0:
@@ -210,7 +215,7 @@ def dyt_backward(dy: Tensor, x: Tensor, alpha: Tensor, weight: Tensor, bias: Ten
         stand_in = torch.empty(1, dtype=torch.float32, device=x.device)
         da, dw, db = launch_backward(
             _dyt_backward_kernel,
-            (dy, x, alpha, weight, dx, rows, cols, dy.stride(0), x.stride(0), dx.stride(0)),
+            (dy, x, alpha, weight, dx, rows, cols, dy_stride, x_stride, cols),
             rows, cols, x.dtype, BACKWARD_TILES,
             grad_dtypes=dtypes, row_stats=0, stand_in=stand_in,
             ALPHA_PER_CHANNEL=_per_channel(alpha), COMPUTE_DA=compute_dalpha, COMPUTE_DW=compute_dweight,
@@ -226,7 +231,7 @@ def dyt_backward(dy: Tensor, x: Tensor, alpha: Tensor, weight: Tensor, bias: Ten
 @dyt_backward.register_fake
 def _(dy, x, alpha, weight, bias, compute_dalpha, compute_dweight, compute_dbias):
     empty = x.new_empty(0)
-    return (torch.empty_like(x), torch.empty_like(alpha) if compute_dalpha else empty,
+    return (x.new_empty(x.shape), torch.empty_like(alpha) if compute_dalpha else empty,
             torch.empty_like(weight) if compute_dweight else empty,
             torch.empty_like(bias) if compute_dbias else empty)
 
@@ -243,7 +248,7 @@ def _backward(ctx, dy):
     x, alpha, weight, bias = ctx.saved_tensors
     need = ctx.needs_input_grad
     compute_da, compute_dw, compute_db = need[1], need[2], bias is not None and need[3]
-    dx, da, dw, db = dyt_backward(as_rows(dy), x, alpha, weight, bias, compute_da, compute_dw, compute_db)
+    dx, da, dw, db = dyt_backward(dy, x, alpha, weight, bias, compute_da, compute_dw, compute_db)
     return dx, da if compute_da else None, dw if compute_dw else None, db if compute_db else None
 
 
@@ -286,6 +291,5 @@ def dyt(x: Tensor, alpha: Tensor, weight: Tensor, bias: Tensor | None = None) ->
     shape, including no rows.
     """
     _validate(x, alpha, weight, bias)
-    y = dyt_forward(as_rows(x), alpha.contiguous(), weight.contiguous(),
-                    None if bias is None else bias.contiguous())
-    return y.view(x.shape)
+    return dyt_forward(rows_ready(x), alpha.contiguous(), weight.contiguous(),
+                       None if bias is None else bias.contiguous())

@@ -40,7 +40,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row, program_row_blocks
 from onca.ops._row_norm import launch_backward, launch_forward, plans
-from onca.ops._rows import as_rows, new_rows, rows_ready
+from onca.ops._rows import rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan
 
@@ -276,18 +276,17 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                        eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, mean, rstd)`` for ``x`` of any leading shape; ``mean`` and ``rstd`` are fp32, one per
     row. The op takes ``x`` whole: a reshape outside it would add autograd view nodes."""
-    y, y_rows = new_rows(x)
-    x = as_rows(x)
-    rows, cols = x.shape
+    cols = x.shape[-1]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
     mean = x.new_empty(rows, dtype=torch.float32)
-    rstd = x.new_empty(rows, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
     if rows == 0:
         return y, mean, rstd
-    # An absent weight or bias is never read (HAS_WEIGHT / HAS_BIAS); x stands in for its pointer.
     launch_forward(
         _layer_norm_forward_kernel,
-        (x, x if weight is None else weight, x if bias is None else bias, y_rows, mean, rstd,
-         rows, cols, x.stride(0), y_rows.stride(0), eps),
+        (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd,
+         rows, cols, x_stride, cols, eps),
         rows, cols, x.dtype, FORWARD_TILES,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
     )
@@ -306,22 +305,20 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
     """``(dx, dweight, dbias)``; a parameter gradient not computed is empty. ``bias`` is read for its
     dtype only (the backward does not need its values). ``dy``, ``x`` and ``dx`` have any leading
     shape, the same."""
-    dx, dx_rows = new_rows(x)
-    dy, x = as_rows(dy), as_rows(x)
-    rows, cols = x.shape
+    cols = x.shape[-1]
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
+    dy, _, dy_stride = rows_in_place(dy)
     dw_dtype = weight.dtype if compute_dw else None
     db_dtype = bias.dtype if compute_db else None
     if rows == 0:
-        # A sum over no rows: zero, as torch's.
         dw, db = (None if d is None else torch.zeros(cols, dtype=d, device=x.device)
                   for d in (dw_dtype, db_dtype))
     else:
         dw, db = launch_backward(
             _layer_norm_backward_kernel,
-            (dy, x, x if weight is None else weight, mean, rstd, dx_rows,
-             rows, cols, dy.stride(0), x.stride(0), dx_rows.stride(0)),
+            (dy, x, x if weight is None else weight, mean, rstd, dx, rows, cols, dy_stride, x_stride, cols),
             rows, cols, x.dtype, BACKWARD_TILES,
-            # The column-tiled path keeps each row's mean(g * xhat) and mean(g) between its phases.
             grad_dtypes=(dw_dtype, db_dtype), row_stats=2, stand_in=rstd,
             HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
         )

@@ -41,7 +41,7 @@ from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
-from onca.ops._rows import as_rows, new_rows, rows_ready
+from onca.ops._rows import rows_in_place, rows_ready
 from onca.ops._validate import check_bool, check_float, check_last_dim, check_number, check_same_device
 from onca.tiling import RowPlan
 
@@ -291,21 +291,22 @@ def launch_rms_norm_forward(x: Tensor, residual: Tensor | None, weight: Tensor |
                             offset: float, casting: int) -> tuple[Tensor, Tensor | None, Tensor]:
     """``(y, h, rstd)`` for ``x`` of any leading shape (``h = x + residual``, None without a
     residual); ``y`` and ``h`` have ``x``'s shape, ``rstd`` one value per row."""
-    y, y_rows = new_rows(x)
-    h, h_rows = (None, None) if residual is None else new_rows(x)
-    x = as_rows(x)  # the op takes x whole: a reshape outside it would add autograd view nodes
-    rows, cols = x.shape
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    # Outputs are new contiguous tensors of x's shape (row stride: cols); x and the residual are
+    # read in place where they can be (the op takes x whole: a reshape outside it would add
+    # autograd view nodes).
+    cols = x.shape[-1]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
+    rstd = x.new_empty(rows, dtype=torch.float32)
     if rows == 0:
         return y, h, rstd
     # An absent residual, h or weight is never touched (constexpr switches); x stands in for it.
-    r = x if residual is None else as_rows(residual)
-    h_rows = x if h_rows is None else h_rows
-    w = x if weight is None else weight
+    r, _, r_stride = (x, rows, x_stride) if residual is None else rows_in_place(residual)
     launch_forward(
         _rms_norm_forward_kernel,
-        (x, r, w, y_rows, h_rows, rstd, rows, cols,
-         x.stride(0), r.stride(0), y_rows.stride(0), h_rows.stride(0), eps, offset),
+        (x, r, x if weight is None else weight, y, x if h is None else h, rstd, rows, cols,
+         x_stride, r_stride, cols, cols, eps, offset),
         rows, cols, x.dtype, _tiles(residual is not None)[0],
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
     )
@@ -315,17 +316,18 @@ def launch_rms_norm_forward(x: Tensor, residual: Tensor | None, weight: Tensor |
 def launch_rms_norm_backward(dy: Tensor, dres: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
                              offset: float, casting: int, dx: Tensor, residual: bool) -> Tensor | None:
     """Writes ``dx`` (plus ``dres`` where given) of the normalised input ``x`` (any leading shape,
-    as ``dy``, ``dres`` and ``dx``); returns ``dW`` in the weight's dtype (None without a weight).
-    ``residual``: plan as the fused residual add."""
-    dy, x, dx = as_rows(dy), as_rows(x), as_rows(dx)
-    rows, cols = x.shape
+    as ``dy``, ``dres`` and ``dx``; ``dx`` contiguous); returns ``dW`` in the weight's dtype (None
+    without a weight). ``residual``: plan as the fused residual add."""
+    cols = x.shape[-1]
+    x, rows, x_stride = rows_in_place(x)
     if rows == 0:
         return None if weight is None else torch.zeros_like(weight)
-    d_r = x if dres is None else as_rows(dres)
-    w = x if weight is None else weight
+    dy, _, dy_stride = rows_in_place(dy)
+    d_r, _, d_r_stride = (x, rows, x_stride) if dres is None else rows_in_place(dres)
     (dw,) = launch_backward(
         _rms_norm_backward_kernel,
-        (dy, d_r, x, w, rstd, dx, rows, cols, dy.stride(0), d_r.stride(0), x.stride(0), dx.stride(0), offset),
+        (dy, d_r, x, x if weight is None else weight, rstd, dx, rows, cols,
+         dy_stride, d_r_stride, x_stride, cols, offset),
         rows, cols, x.dtype, _tiles(residual)[1],
         grad_dtypes=(None if weight is None else weight.dtype,), row_stats=1, stand_in=rstd,
         HAS_RESIDUAL_GRAD=dres is not None, HAS_WEIGHT=weight is not None, CASTING=casting,

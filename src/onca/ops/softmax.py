@@ -4,7 +4,7 @@ liger-kernel's ``LigerSoftmax`` / ``liger_softmax(x)`` (always the last dimensio
 ``torch.softmax(x, dim)`` for a floating input: the row is reduced in fp32 and ``y`` is stored
 once in the input's dtype. A row of ``-inf`` (or one holding ``+inf`` or NaN) gives NaN, as in
 torch. Another ``dim`` is moved last first (one copy of the input and, in the backward pass, of
-the incoming gradient); the result is a view in the input's shape.
+the incoming gradient); the result is then a view in the input's shape.
 
 Saved for backward: the output ``y`` (not ``x``). The backward pass is
 ``dx = y * (dy - sum(dy * y))`` per row, in fp32, stored in the input's dtype.
@@ -25,7 +25,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._launch import fast_launch
 from onca.ops._row_map import plans, register_row_map
-from onca.ops._rows import as_rows_over, from_rows_over
+from onca.ops._rows import moved_back, moved_last
 from onca.ops._validate import check_dim, check_float
 from onca.ops.jsd import _lse_update
 from onca.tiling import RowPlan
@@ -140,8 +140,9 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 softmax_forward = register_row_map(
     "softmax", _softmax_forward_kernel, _softmax_backward_kernel, FORWARD_TILES, BACKWARD_TILES,
-    forward_doc="``y``, the softmax of each row of the 2-D ``x``, in ``x``'s dtype.",
-    backward_doc="``dx = y * (dy - sum(dy * y))`` per row of the 2-D ``dy``/``y``, in ``y``'s dtype.",
+    forward_doc="``y``, the softmax of each row of ``x`` (any leading shape), in ``x``'s dtype.",
+    backward_doc="``dx = y * (dy - sum(dy * y))`` per row of ``dy``/``y`` (any leading shape), in "
+                 "``y``'s dtype.",
 )
 
 
@@ -156,5 +157,4 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the one the softmax is over), got a 0-d tensor")
     d = check_dim(dim, "dim", x.dim())
-    y = softmax_forward(as_rows_over(x, d))
-    return from_rows_over(y, x.shape, d)
+    return moved_back(softmax_forward(moved_last(x, d)), d)

@@ -39,7 +39,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._launch import fast_launch
 from onca.ops._row_map import plans, register_row_map
-from onca.ops._rows import as_rows_over, from_rows_over
+from onca.ops._rows import moved_back, moved_last
 from onca.ops._validate import check_dim, check_float
 from onca.tiling import RowPlan
 
@@ -225,7 +225,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 sparsemax_forward = register_row_map(
     "sparsemax", _sparsemax_forward_kernel, _sparsemax_backward_kernel, FORWARD_TILES, BACKWARD_TILES, MAX_STEPS=MAX_STEPS,
-    forward_doc="``y``, the sparsemax of each row of the 2-D ``x``, in ``x``'s dtype.",
+    forward_doc="``y``, the sparsemax of each row of ``x`` (any leading shape), in ``x``'s dtype.",
     backward_doc="``dx = dy - mean_S(dy)`` on each row's support ``S = {y > 0}``, 0 elsewhere.",
 )
 
@@ -243,5 +243,4 @@ def sparsemax(input: Tensor, dim: int = -1) -> Tensor:
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (the one projected), got a 0-d tensor")
     d = check_dim(dim, "dim", input.dim())
-    y = sparsemax_forward(as_rows_over(input, d))
-    return from_rows_over(y, input.shape, d)
+    return moved_back(sparsemax_forward(moved_last(input, d)), d)
