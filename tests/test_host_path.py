@@ -64,6 +64,9 @@ def _row_op_calls():
     from onca.ops.fused_add_rms_norm import fused_add_rms_norm
     from onca.ops.geglu import geglu
     from onca.ops.layer_norm import layer_norm
+    from onca.ops.modulated_rms_norm import modulated_rms_norm
+    from onca.ops.poly_norm import poly_norm
+    from onca.ops.relu_squared import relu_squared
     from onca.ops.rms_norm import rms_norm
     from onca.ops.softmax import softmax
     from onca.ops.sparsemax import sparsemax
@@ -75,11 +78,13 @@ def _row_op_calls():
         "dyt": lambda x, w: dyt(x, torch.tensor(0.5), w), "softmax": lambda x, w: softmax(x),
         "sparsemax": lambda x, w: sparsemax(x), "swiglu": lambda x, w: swiglu(x, x.detach().clone()),
         "geglu": lambda x, w: geglu(x, x.detach().clone()),
+        "poly_norm": lambda x, w: poly_norm(x, w[:3], w[3]), "relu_squared": lambda x, w: relu_squared(x),
+        "modulated_rms_norm": lambda x, w: modulated_rms_norm(x, w, w[None, None, :].expand(2, 1, 8) * 0.5),
     }
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm", "dyt", "softmax", "sparsemax",
-                                "swiglu", "geglu"])
+                                "swiglu", "geglu", "poly_norm", "relu_squared", "modulated_rms_norm"])
 def test_row_ops_take_their_input_whole(op):
     """A 3-D input reaches the op's autograd node as it is: no view node before or after it (the
     op reads its rows in place, with their stride, where autograd records nothing). Each view node
@@ -92,7 +97,10 @@ def test_row_ops_take_their_input_whole(op):
         y = _row_op_calls()[op](x, w)
     assert y.shape == x.shape
     assert y.grad_fn.name() == f"{op}_forward_functionBackward", y.grad_fn.name()
-    assert {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None} <= {"AccumulateGrad"}
+    # The inputs' own nodes: leaves, or (a parameter sliced or scaled by the test) not a view of x.
+    nodes = {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None}
+    assert nodes <= {"AccumulateGrad", "SelectBackward0", "SliceBackward0", "MulBackward0"}, nodes
+    assert y.grad_fn.next_functions[0][0].__class__.__name__ == "AccumulateGrad"  # x itself
 
 
 def test_layer_norm_gradients_share_one_fill_and_one_sum():

@@ -28,6 +28,8 @@ partial rows of ``onca.ops._partials``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._row_norm import launch_forward
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_same_device
 from onca.ops.rms_norm import (_normalized, _scale, _weight, grad_output_buffer, may_overwrite, validate_options,
                                validate_weight)
@@ -304,18 +306,22 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None, *,
 @custom_op("modulated_rms_norm_forward")
 def modulated_rms_norm_forward(x: Tensor, weight: Tensor | None, scale: Tensor, shift: Tensor | None, eps: float,
                                offset: float, casting: int, overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
-    """``(y, rstd)`` for the 2-D ``x`` and the 2-D ``scale``/``shift`` (``M`` rows, ``M`` dividing
-    ``x``'s rows); ``rstd`` is fp32, one per row. ``overwrite_grad_output`` is the backward's."""
-    rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    """``(y, rstd)`` for ``x`` of any leading shape and ``scale``/``shift`` whose leading dimensions
+    flatten to ``M`` rows, ``M`` dividing ``x``'s rows; ``rstd`` is fp32, one per row.
+    ``overwrite_grad_output`` is the backward's. The op takes its tensors whole: a reshape outside
+    it would add autograd view nodes."""
+    cols = x.shape[-1]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
+    rstd = x.new_empty(rows, dtype=torch.float32)
     if rows == 0:
         return y, rstd
-    w, sh = (x if t is None else t for t in (weight, shift))
+    scale, mod_rows, scale_stride = rows_in_place(scale)
+    sh, _, sh_stride = (x, rows, x_stride) if shift is None else rows_in_place(shift)
     launch_forward(
         _modulated_rms_norm_forward_kernel,
-        (x, w, scale, sh, y, rstd, rows, cols, rows // scale.shape[0], x.stride(0), scale.stride(0), sh.stride(0),
-         y.stride(0), eps, offset),
+        (x, x if weight is None else weight, scale, sh, y, rstd, rows, cols, rows // mod_rows, x_stride,
+         scale_stride, sh_stride, cols, eps, offset),
         rows, cols, x.dtype, FORWARD_TILES,
         HAS_WEIGHT=weight is not None, HAS_SHIFT=shift is not None, CASTING=casting,
     )
@@ -324,33 +330,32 @@ def modulated_rms_norm_forward(x: Tensor, weight: Tensor | None, scale: Tensor, 
 
 @modulated_rms_norm_forward.register_fake
 def _(x, weight, scale, shift, eps, offset, casting, overwrite_grad_output):
-    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
 @custom_op("modulated_rms_norm_backward")
 def modulated_rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, scale: Tensor, shift: Tensor | None,
                                 rstd: Tensor, offset: float, casting: int,
                                 overwrite_grad_output: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dweight, dscale, dshift)``; ``dscale``/``dshift`` are ``(M, hidden)`` in their
-    parameters' dtypes; an absent parameter's gradient is empty. ``shift`` is read for its dtype
+    """``(dx, dweight, dscale, dshift)``; ``dscale``/``dshift`` in their parameters' shapes and
+    dtypes; an absent parameter's gradient is empty. ``shift`` is read for its dtype and shape
     only. With ``overwrite_grad_output`` (eager route only) ``dx`` is written into ``dy``'s storage."""
-    rows, cols = x.shape
-    mod_rows = scale.shape[0]
+    cols = x.shape[-1]
     dx = grad_output_buffer(dy, x, overwrite_grad_output)
+    x, rows, x_stride = rows_in_place(x)
+    scale, mod_rows, scale_stride = rows_in_place(scale)
     empty = x.new_empty(0)
-    shift_dtype = None if shift is None else shift.dtype
     if rows == 0:
         dw = empty if weight is None else torch.zeros_like(weight)
-        dscale = torch.zeros((mod_rows, cols), dtype=scale.dtype, device=x.device)
-        dshift = empty if shift is None else torch.zeros((mod_rows, cols), dtype=shift_dtype, device=x.device)
-        return dx, dw, dscale, dshift
+        return dx, dw, torch.zeros_like(scale), empty if shift is None else torch.zeros_like(shift)
+    dy, _, dy_stride = rows_in_place(dy)
     p = _backward_plan(rows, cols, x.dtype, mod_rows)
     rows_per_mod = rows // mod_rows
     per_row = mod_rows == rows
     blocks_per_program = -(-p.row_blocks // p.grid)
-    if per_row:
-        ds_buf = torch.empty((rows, cols), dtype=scale.dtype, device=x.device)
-        dsh_buf = None if shift is None else torch.empty((rows, cols), dtype=shift_dtype, device=x.device)
+    if per_row:  # the gradients themselves, contiguous rows in their parameters' shapes
+        ds_buf = torch.empty_like(scale, memory_format=torch.contiguous_format)
+        dsh_buf = None if shift is None else torch.empty_like(shift, memory_format=torch.contiguous_format)
     else:
         n_slots = p.grid + mod_rows
         ds_buf = torch.zeros((n_slots, cols), dtype=torch.float32, device=x.device)
@@ -361,15 +366,15 @@ def modulated_rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, sc
     _modulated_rms_norm_backward_kernel[(p.grid,)](
         dy, x, w, scale, rstd, dx, ds_buf, ds_buf if dsh_buf is None else dsh_buf, dw_partials, c,
         rows, cols, rows_per_mod, blocks_per_program,
-        dy.stride(0), x.stride(0), scale.stride(0), dx.stride(0), offset,
+        dy_stride, x_stride, scale_stride, cols, offset,
         HAS_WEIGHT=weight is not None, HAS_SHIFT=shift is not None, PER_ROW=per_row, CASTING=casting,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
     dw = empty if weight is None else sum_partials(dw_partials, weight.dtype)
     if per_row:
         return dx, dw, ds_buf, empty if dsh_buf is None else dsh_buf
-    dscale = torch.empty((mod_rows, cols), dtype=scale.dtype, device=x.device)
-    dshift = None if shift is None else torch.empty((mod_rows, cols), dtype=shift_dtype, device=x.device)
+    dscale = torch.empty_like(scale, memory_format=torch.contiguous_format)
+    dshift = None if shift is None else torch.empty_like(shift, memory_format=torch.contiguous_format)
     sp = _slot_sum_plan(mod_rows, cols)
     _sum_slots_kernel[(mod_rows, sp.col_tiles)](
         ds_buf, ds_buf if dsh_buf is None else dsh_buf, dscale, dscale if dshift is None else dshift,
@@ -400,7 +405,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _drstd):
     x, weight, scale, shift, rstd = ctx.saved_tensors
     overwrite = may_overwrite(ctx.overwrite_grad_output, dy, x)
-    dx, dw, dscale, dshift = modulated_rms_norm_backward(as_rows(dy), x, weight, scale, shift, rstd, ctx.offset,
+    dx, dw, dscale, dshift = modulated_rms_norm_backward(dy, x, weight, scale, shift, rstd, ctx.offset,
                                                          ctx.casting, overwrite)
     need = ctx.needs_input_grad
     return (dx, dw if weight is not None and need[1] else None, dscale if need[2] else None,
@@ -461,6 +466,7 @@ def modulated_rms_norm(
         if shift.shape != scale.shape:
             raise ValueError(f"shift must have scale's shape {tuple(scale.shape)}, got {tuple(shift.shape)}")
     weight = None if weight is None else weight.contiguous()
-    y, _ = modulated_rms_norm_forward(as_rows(x), weight, as_rows(scale), None if shift is None else as_rows(shift),
-                                      float(eps), float(offset), casting, overwrite_grad_output)
-    return y.view(x.shape)
+    y, _ = modulated_rms_norm_forward(rows_ready(x), weight, rows_ready(scale),
+                                      None if shift is None else rows_ready(shift), float(eps), float(offset),
+                                      casting, overwrite_grad_output)
+    return y

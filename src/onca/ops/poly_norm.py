@@ -25,6 +25,8 @@ at the end: deterministic.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +37,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._row_norm import launch_forward
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_bool, check_float, check_number, check_same_device
 from onca.ops.rms_norm import grad_output_buffer, may_overwrite
 from onca.tiling import RowPlan, plan_rows
@@ -247,21 +249,23 @@ def _plan_constexprs(p: RowPlan) -> dict:
 @custom_op("poly_norm_forward")
 def poly_norm_forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
                       overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
-    """``(y, rstd)`` for the 2-D ``x``; ``rstd`` is fp32 ``(rows, 3)``: of ``x``, ``x**2``, ``x**3``.
-    ``overwrite_grad_output`` is the backward's (see ``poly_norm``)."""
-    rows, cols = x.shape
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty((rows, 3), dtype=torch.float32, device=x.device)
+    """``(y, rstd)`` for ``x`` of any leading shape; ``rstd`` is fp32 ``(rows, 3)``: of ``x``,
+    ``x**2``, ``x**3``. ``overwrite_grad_output`` is the backward's (see ``poly_norm``). The op
+    takes ``x`` whole: a reshape outside it would add autograd view nodes."""
+    cols = x.shape[-1]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, rows, x_stride = rows_in_place(x)
+    rstd = x.new_empty((rows, 3), dtype=torch.float32)
     if rows == 0:
         return y, rstd
-    launch_forward(_poly_norm_forward_kernel, (x, weight, bias, y, rstd, rows, cols, x.stride(0), y.stride(0), eps),
+    launch_forward(_poly_norm_forward_kernel, (x, weight, bias, y, rstd, rows, cols, x_stride, cols, eps),
                    rows, cols, x.dtype, FORWARD_TILES)
     return y, rstd
 
 
 @poly_norm_forward.register_fake
 def _(x, weight, bias, eps, overwrite_grad_output):
-    return torch.empty_like(x), x.new_empty((x.shape[0], 3), dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty((math.prod(x.shape[:-1]), 3), dtype=torch.float32)
 
 
 @custom_op("poly_norm_backward")
@@ -269,15 +273,17 @@ def poly_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor, rstd
                        overwrite_grad_output: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)`` in the dtypes and shapes of ``x``, ``weight`` and ``bias`` (read for
     its dtype and shape only); with ``overwrite_grad_output`` (eager route only) ``dx`` is written
-    into ``dy``'s storage."""
-    rows, cols = x.shape
+    into ``dy``'s storage. ``dy``, ``x`` and ``dx`` have any leading shape, the same."""
+    cols = x.shape[-1]
     dx = grad_output_buffer(dy, x, overwrite_grad_output)
+    x, rows, x_stride = rows_in_place(x)
+    dy, _, dy_stride = rows_in_place(dy)
     if rows == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(bias)
     p = plan_rows(rows, cols, x.dtype, persistent=True, **BACKWARD_TILES)
     partials = partial_buffer(p.grid, N_GRADS, x.device)
     _poly_norm_backward_kernel[(p.grid,)](
-        dy, x, weight, rstd, dx, partials, rows, cols, dy.stride(0), x.stride(0), dx.stride(0),
+        dy, x, weight, rstd, dx, partials, rows, cols, dy_stride, x_stride, cols,
         **_plan_constexprs(p),
     )
     grads = sum_partials(partials)
@@ -286,7 +292,7 @@ def poly_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor, rstd
 
 @poly_norm_backward.register_fake
 def _(dy, x, weight, bias, rstd, overwrite_grad_output):
-    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)
+    return x.new_empty(x.shape), torch.empty_like(weight), torch.empty_like(bias)
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -303,7 +309,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _drstd):
     x, weight, bias, rstd = ctx.saved_tensors
     overwrite = may_overwrite(ctx.overwrite_grad_output, dy, x)
-    dx, dw, db = poly_norm_backward(as_rows(dy), x, weight, bias, rstd, overwrite)
+    dx, dw, db = poly_norm_backward(dy, x, weight, bias, rstd, overwrite)
     need = ctx.needs_input_grad
     return dx, dw if need[1] else None, db if need[2] else None, None, None
 
@@ -340,5 +346,6 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-6,
     check_same_device(bias, "bias", x, "x")
     check_number(eps, "eps", minimum=0.0)
     check_bool(overwrite_grad_output, "overwrite_grad_output")
-    y, _ = poly_norm_forward(as_rows(x), weight.contiguous(), bias.contiguous(), float(eps), overwrite_grad_output)
-    return y.view(x.shape)
+    y, _ = poly_norm_forward(rows_ready(x), weight.contiguous(), bias.contiguous(), float(eps),
+                             overwrite_grad_output)
+    return y

@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._launch import fast_launch
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._launch import fast_launch, launch_config
+from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_float
 from onca.tiling import RowPlan, plan_rows
 
@@ -86,57 +86,63 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     }
 
 
-def _launch(x: Tensor, dy: Tensor | None, out: Tensor, tiles: dict) -> None:
-    rows, cols = x.shape
-    p = plan_rows(rows, cols, x.dtype, **tiles)
-    d = x if dy is None else dy  # never read in the forward (constexpr switch)
-    _relu_squared_kernel[(p.grid,)](
-        x, d, out, rows, cols, x.stride(0), d.stride(0), out.stride(0),
-        BACKWARD=dy is not None,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
-    )
+def _launch(x: Tensor, dy: Tensor | None) -> Tensor:
+    """The forward's ``y`` (``dy`` None) or the backward's ``dx``: a new contiguous tensor of
+    ``x``'s shape (any, at least 1-D; ``dy`` the same)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    cols = x.shape[-1]
+    x, rows, x_stride = rows_in_place(x)
+    if rows == 0 or cols == 0:
+        return out
+    d, _, d_stride = (x, rows, x_stride) if dy is None else rows_in_place(dy)  # dy: never read forward
+    backward = dy is not None
+    key = (_relu_squared_kernel, rows, cols, x.dtype, get_profile(), backward)
+
+    def make():
+        p = plan_rows(rows, cols, x.dtype, **(BACKWARD_TILES if backward else FORWARD_TILES))
+        return (p.grid,), {"BACKWARD": backward, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
+                           "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
+
+    grid, kwargs = launch_config(key, make)
+    _relu_squared_kernel[grid](x, d, out, rows, cols, x_stride, d_stride, cols, **kwargs)
+    return out
 
 
 @custom_op("relu_squared_forward")
 def relu_squared_forward(x: Tensor) -> Tensor:
-    """``relu(x) ** 2`` for the 2-D ``x``, in ``x``'s dtype."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() > 0:
-        _launch(x, None, y, FORWARD_TILES)
-    return y
+    """``relu(x) ** 2`` for ``x`` of any shape (at least 1-D), in ``x``'s dtype. The op takes ``x``
+    whole: a reshape outside it would add autograd view nodes."""
+    return _launch(x, None)
 
 
 @relu_squared_forward.register_fake
 def _(x):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @custom_op("relu_squared_backward")
 def relu_squared_backward(dy: Tensor, x: Tensor) -> Tensor:
-    """``dx = 2 * relu(x) * dy`` for the 2-D ``x``/``dy``, in ``x``'s dtype."""
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() > 0:
-        _launch(x, dy, dx, BACKWARD_TILES)
-    return dx
+    """``dx = 2 * relu(x) * dy`` for ``x``/``dy`` of one shape, in ``x``'s dtype."""
+    return _launch(x, dy)
 
 
 @relu_squared_backward.register_fake
 def _(dy, x):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 # ---------------------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves the 2-D input ``x``."""
+    """Saves the input ``x``."""
     (x,) = inputs
     ctx.save_for_backward(x)
 
 
 def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
-    return relu_squared_backward(as_rows(dy), x)
+    return relu_squared_backward(dy, x)
 
 
 register_autograd(relu_squared_forward, _backward, setup_context=_setup_context)
@@ -152,4 +158,4 @@ def relu_squared(x: Tensor) -> Tensor:
     check_float(x, "x")
     if x.dim() == 0:
         return relu_squared_forward(x.reshape(1, 1)).view(())
-    return relu_squared_forward(as_rows(x)).view(x.shape)
+    return relu_squared_forward(rows_ready(x))
