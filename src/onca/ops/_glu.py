@@ -50,9 +50,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile, get_profile
+from onca.device import DeviceProfile
 from onca.ops._contract import Op, custom_op, register_autograd, tracing
-from onca.ops._launch import fast_launch, launch_config
+from onca.ops._launch import fast_launch, row_launch
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
@@ -209,17 +209,6 @@ def _halves(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
     return gate, up
 
 
-def _glu_launch(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
-    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
-
-    def make():
-        p = plan_rows(rows, cols, dtype, **tiles)
-        return (p.grid,), {**constexprs, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
-                           "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
-
-    return launch_config(key, make)
-
-
 def _product(a: Tensor, b: Tensor, activation: int, gate_multiplier: float,
              down_multiplier: float) -> Tensor:
     """``act(a * gate_multiplier) * b * down_multiplier``, a new contiguous tensor of ``a``'s
@@ -230,8 +219,8 @@ def _product(a: Tensor, b: Tensor, activation: int, gate_multiplier: float,
     if rows == 0 or cols == 0:
         return c
     b, _, b_stride = rows_in_place(b)
-    grid, kwargs = _glu_launch(_glu_forward_kernel, rows, cols, a.dtype, FORWARD_TILES,
-                               {"ACTIVATION": activation})
+    grid, kwargs, _ = row_launch(_glu_forward_kernel, rows, cols, a.dtype, FORWARD_TILES,
+                                 {"ACTIVATION": activation})
     _glu_forward_kernel[grid](a, b, c, rows, cols, a_stride, b_stride, cols, gate_multiplier, down_multiplier,
                               **kwargs)
     return c
@@ -252,9 +241,9 @@ def _product_backward(dc, a, b, da, db, activation: int, gate_multiplier: float,
     c, _, c_stride = rows_in_place(c)
     # The gradients are written in place: each is a contiguous tensor or a half of one.
     da_stride, db_stride = _row_stride_of_output(da), _row_stride_of_output(db)
-    grid, kwargs = _glu_launch(_glu_backward_kernel, rows, cols, a.dtype,
-                               PRODUCT_BACKWARD_TILES if store_c else BACKWARD_TILES,
-                               {"ACTIVATION": activation, "STORE_C": store_c})
+    grid, kwargs, _ = row_launch(_glu_backward_kernel, rows, cols, a.dtype,
+                                 PRODUCT_BACKWARD_TILES if store_c else BACKWARD_TILES,
+                                 {"ACTIVATION": activation, "STORE_C": store_c})
     _glu_backward_kernel[grid](dc, a, b, da, db, c, rows, cols, dc_stride, a_stride, b_stride, da_stride,
                                db_stride, c_stride, gate_multiplier, down_multiplier, **kwargs)
 

@@ -36,7 +36,7 @@ import contextlib
 
 import torch
 
-__all__ = ["FastLaunch", "fast_launch", "launch_config", "specialization_key", "through_triton"]
+__all__ = ["FastLaunch", "fast_launch", "launch_config", "row_launch", "specialization_key", "through_triton"]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _UINT64_MIN = 1 << 63
@@ -65,6 +65,32 @@ def launch_config(key: tuple, make):
             _CONFIGS.clear()
         entry = _CONFIGS[key] = make()
     return entry
+
+
+def _plan_with_tiles(rows: int, cols: int, dtype: torch.dtype, tiles: dict):
+    from onca.tiling import plan_rows
+
+    return plan_rows(rows, cols, dtype, **tiles)
+
+
+def row_launch(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict,
+               plan=_plan_with_tiles) -> tuple:
+    """``(grid, keyword arguments, plan)`` of a launch of the row kernel ``kernel`` over ``rows x
+    cols`` of ``dtype``: the plan ``plan(rows, cols, dtype, tiles)`` (default: ``plan_rows`` with
+    the kernel's tile counts) as the constexprs ``BLOCK_ROWS``, ``BLOCK_COLS`` and ``COL_TILES`` and
+    its ``num_warps``, beside ``constexprs``. Kept by :func:`launch_config`, for the device profile
+    in force."""
+    from onca.device import get_profile
+
+    key = (kernel, plan, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
+
+    def make():
+        p = plan(rows, cols, dtype, tiles)
+        kwargs = {**constexprs, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
+                  "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
+        return (p.grid,), kwargs, p
+
+    return launch_config(key, make)
 
 
 class _Runtime:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import Op, custom_op, register_autograd
-from onca.ops._launch import launch_config
+from onca.ops._launch import row_launch
 from onca.ops._rows import rows_cols, rows_in_place
 from onca.tiling import RowPlan, plan_rows
 
@@ -60,17 +60,6 @@ def plans(shape, dtype: torch.dtype, forward_tiles: dict, backward_tiles: dict,
     }
 
 
-def _launch(rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
-    p = plan_two_pass(rows, cols, dtype, tiles)
-    return (p.grid,), {**constexprs, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
-                       "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
-
-
-def _grid_and_constexprs(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
-    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
-    return launch_config(key, lambda: _launch(rows, cols, dtype, tiles, constexprs))
-
-
 def launch_forward(kernel, x: Tensor, tiles: dict, **constexprs) -> Tensor:
     """``y`` (``x``'s dtype and shape, contiguous) from the forward ``kernel`` over the rows of
     ``x`` (any leading shape)."""
@@ -79,7 +68,7 @@ def launch_forward(kernel, x: Tensor, tiles: dict, **constexprs) -> Tensor:
     x, rows, x_stride = rows_in_place(x)
     if rows == 0 or cols == 0:
         return y
-    grid, kwargs = _grid_and_constexprs(kernel, rows, cols, x.dtype, tiles, constexprs)
+    grid, kwargs, _ = row_launch(kernel, rows, cols, x.dtype, tiles, constexprs, plan=plan_two_pass)
     kernel[grid](x, y, rows, cols, x_stride, cols, **kwargs)
     return y
 
@@ -93,7 +82,7 @@ def launch_backward(kernel, dy: Tensor, y: Tensor, tiles: dict, **constexprs) ->
     if rows == 0 or cols == 0:
         return dx
     dy, _, dy_stride = rows_in_place(dy)
-    grid, kwargs = _grid_and_constexprs(kernel, rows, cols, y.dtype, tiles, constexprs)
+    grid, kwargs, _ = row_launch(kernel, rows, cols, y.dtype, tiles, constexprs, plan=plan_two_pass)
     kernel[grid](dy, y, dx, rows, cols, dy_stride, y_stride, cols, **kwargs)
     return dx
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from onca.device import DeviceProfile, get_profile
-from onca.ops._launch import launch_config
+from onca.device import DeviceProfile
+from onca.ops._launch import row_launch
 from onca.ops._partials import fill_wanted, partial_buffer, sum_partials
 from onca.ops._rows import rows_cols
 from onca.tiling import RowPlan, plan_rows
@@ -50,29 +50,10 @@ def plans(shape, dtype: torch.dtype, forward_tiles: dict, backward_tiles: dict,
     }
 
 
-def _plan_constexprs(p: RowPlan) -> dict:
-    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
-            "num_warps": p.num_warps}
-
-
-def _forward_launch(rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
-    p = plan_rows(rows, cols, dtype, **tiles)
-    return (p.grid,), {**constexprs, **_plan_constexprs(p)}
-
-
 def launch_forward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, **constexprs) -> None:
     """Launch a row-norm forward ``kernel(*args)`` over ``rows x cols`` of ``dtype``."""
-    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
-    grid, kwargs = launch_config(key, lambda: _forward_launch(rows, cols, dtype, tiles, constexprs))
+    grid, kwargs, _ = row_launch(kernel, rows, cols, dtype, tiles, constexprs)
     kernel[grid](*args, **kwargs)
-
-
-def _backward_launch(rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict):
-    """``(grid, keyword constexprs, direct, single_pass, programs)`` of a row-norm backward."""
-    direct = rows * cols <= DIRECT_MAX_ELEMENTS
-    p = backward_plan(rows, cols, dtype, tiles)
-    kwargs = {**constexprs, "DIRECT_PARTIALS": direct, **_plan_constexprs(p)}
-    return (p.grid,), kwargs, direct, p.single_pass, p.grid
 
 
 def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, *,
@@ -84,9 +65,9 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     ``row_stats``: how many fp32 values per row the column-tiled path keeps between its two phases.
     ``stand_in``: an fp32 tensor on the device, passed for any buffer this plan never touches.
     """
-    key = (kernel, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
-    grid, kwargs, direct, single_pass, programs = launch_config(
-        key, lambda: _backward_launch(rows, cols, dtype, tiles, constexprs))
+    direct = rows * cols <= DIRECT_MAX_ELEMENTS
+    grid, kwargs, p = row_launch(kernel, rows, cols, dtype, tiles, {**constexprs, "DIRECT_PARTIALS": direct},
+                                 plan=backward_plan)
     device = stand_in.device
     wanted = [d is not None for d in grad_dtypes]
     computed = [d for d in grad_dtypes if d is not None]
@@ -95,9 +76,9 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
         buffers = [torch.empty(cols, dtype=d, device=device) for d in computed]
     else:
         # One buffer with a plane per computed gradient: one fill, and one summing launch below.
-        planes = partial_buffer(programs, cols, device, planes=len(computed))
+        planes = partial_buffer(p.grid, cols, device, planes=len(computed))
         buffers = list(planes)
     partials = fill_wanted(wanted, buffers, stand_in)
-    scratch = stand_in if single_pass else torch.empty(row_stats * rows, dtype=torch.float32, device=device)
+    scratch = stand_in if p.single_pass else torch.empty(row_stats * rows, dtype=torch.float32, device=device)
     kernel[grid](*args, *partials, scratch, **kwargs)
     return fill_wanted(wanted, buffers if direct else sum_partials(planes, computed))

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._launch import fast_launch
+from onca.ops._launch import fast_launch, row_launch
 from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
@@ -46,7 +46,9 @@ __all__ = ["plan", "poly_norm"]
 
 # Live tiles of each kernel, counted as the planner expects: tiles in the input dtype, fp32 tiles.
 FORWARD_TILES = dict(live_tiles=2, fp32_tiles=4)  # x, y; x, x**2, x**3, y in fp32
-BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=6)  # x, dy, dx; x, dy, n1, n2, n3, dx in fp32
+# x, dy, dx; x, dy, n1, n2, n3, dx in fp32. The backward reduces the parameter gradients into
+# per-program partial sums: a persistent grid.
+BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=6, persistent=True)
 # The parameter gradients' partial row: dweight[0..2], dbias.
 N_GRADS = 4
 
@@ -237,13 +239,8 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     rows, cols = rows_cols(shape)
     return {
         "forward": plan_rows(rows, cols, dtype, profile=profile, **FORWARD_TILES),
-        "backward": plan_rows(rows, cols, dtype, profile=profile, persistent=True, **BACKWARD_TILES),
+        "backward": plan_rows(rows, cols, dtype, profile=profile, **BACKWARD_TILES),
     }
-
-
-def _plan_constexprs(p: RowPlan) -> dict:
-    return {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols, "COL_TILES": p.col_tiles,
-            "num_warps": p.num_warps}
 
 
 @custom_op("poly_norm_forward")
@@ -280,12 +277,10 @@ def poly_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor, rstd
     dy, _, dy_stride = rows_in_place(dy)
     if rows == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(bias)
-    p = plan_rows(rows, cols, x.dtype, persistent=True, **BACKWARD_TILES)
+    grid, kwargs, p = row_launch(_poly_norm_backward_kernel, rows, cols, x.dtype, BACKWARD_TILES, {})
     partials = partial_buffer(p.grid, N_GRADS, x.device)
-    _poly_norm_backward_kernel[(p.grid,)](
-        dy, x, weight, rstd, dx, partials, rows, cols, dy_stride, x_stride, cols,
-        **_plan_constexprs(p),
-    )
+    _poly_norm_backward_kernel[grid](dy, x, weight, rstd, dx, partials, rows, cols, dy_stride, x_stride, cols,
+                                     **kwargs)
     grads = sum_partials(partials)
     return dx, grads[:3].to(weight.dtype), grads[3].to(bias.dtype).reshape(bias.shape)
 

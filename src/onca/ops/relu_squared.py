@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile, get_profile
+from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._launch import fast_launch, launch_config
+from onca.ops._launch import fast_launch, row_launch
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_float
 from onca.tiling import RowPlan, plan_rows
@@ -96,14 +96,8 @@ def _launch(x: Tensor, dy: Tensor | None) -> Tensor:
         return out
     d, _, d_stride = (x, rows, x_stride) if dy is None else rows_in_place(dy)  # dy: never read forward
     backward = dy is not None
-    key = (_relu_squared_kernel, rows, cols, x.dtype, get_profile(), backward)
-
-    def make():
-        p = plan_rows(rows, cols, x.dtype, **(BACKWARD_TILES if backward else FORWARD_TILES))
-        return (p.grid,), {"BACKWARD": backward, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
-                           "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
-
-    grid, kwargs = launch_config(key, make)
+    grid, kwargs, _ = row_launch(_relu_squared_kernel, rows, cols, x.dtype,
+                                 BACKWARD_TILES if backward else FORWARD_TILES, {"BACKWARD": backward})
     _relu_squared_kernel[grid](x, d, out, rows, cols, x_stride, d_stride, cols, **kwargs)
     return out
 
