@@ -36,6 +36,9 @@ import contextlib
 
 import torch
 
+from onca.device import get_profile
+from onca.tiling import plan_rows
+
 __all__ = ["FastLaunch", "fast_launch", "launch_config", "row_launch", "specialization_key", "through_triton"]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -68,8 +71,6 @@ def launch_config(key: tuple, make):
 
 
 def _plan_with_tiles(rows: int, cols: int, dtype: torch.dtype, tiles: dict):
-    from onca.tiling import plan_rows
-
     return plan_rows(rows, cols, dtype, **tiles)
 
 
@@ -80,8 +81,6 @@ def row_launch(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, co
     the kernel's tile counts) as the constexprs ``BLOCK_ROWS``, ``BLOCK_COLS`` and ``COL_TILES`` and
     its ``num_warps``, beside ``constexprs``. Kept by :func:`launch_config`, for the device profile
     in force."""
-    from onca.device import get_profile
-
     key = (kernel, plan, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
 
     def make():

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["as_rows", "moved_back", "moved_last", "new_rows", "rows_cols", "rows_in_place", "rows_ready",
+__all__ = ["as_rows", "moved_back", "moved_last", "rows_cols", "rows_in_place", "rows_ready",
            "views_as_rows"]
 
 
@@ -73,14 +73,6 @@ def rows_ready(t: torch.Tensor) -> torch.Tensor:
     again, from the saved input, in the backward calls this first, outside the op: a layout that
     needs a copy is copied once, by a differentiable copy, not by both passes."""
     return t if views_as_rows(t) else t.contiguous()
-
-
-def new_rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A new contiguous tensor of ``t``'s shape (and ``dtype``, default ``t``'s) and its
-    ``(rows, last_dim)`` view: an op returns the first, its kernel writes the second."""
-    # empty_like: torch.empty(shape, dtype=, device=) parses its arguments three times slower.
-    out = torch.empty_like(t, dtype=dtype or t.dtype, memory_format=torch.contiguous_format)
-    return out, out.view(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def moved_last(t: torch.Tensor, dim: int) -> torch.Tensor:
