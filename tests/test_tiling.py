@@ -14,7 +14,8 @@ SHAPES = [(1, 1), (1, 64), (37, 1000), (16384, 4096), (3, 65536), (7, 131072), (
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TILES = [dict(live_tiles=3, fp32_tiles=2), dict(live_tiles=4, fp32_tiles=4), dict(live_tiles=1),
          dict(live_tiles=4, fp32_tiles=4, column_fp32=3),
-         dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False, min_gpu_rows=4, max_gpu_rows=4)]
+         dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False, min_gpu_rows=4, max_gpu_rows=4),
+         dict(live_tiles=2, fp32_tiles=4, gpu_whole_two_pass=True)]
 
 
 def _bytes_per_col(dtype, tiles):
@@ -115,6 +116,24 @@ def test_independent_column_tiles_take_the_whole_budget_and_several_rows():
     ascend = PROFILES["ascend910b2"]
     assert (plan_rows(**{**narrow, "profile": ascend}, min_gpu_rows=4, max_gpu_rows=4)
             == plan_rows(**{**narrow, "profile": ascend}))
+
+
+def test_gpu_whole_two_pass():
+    """A GPU's two-pass tile takes the whole budget, in twice the warps (the same elements per
+    thread), with ``gpu_whole_two_pass``; a row that fits one tile, a one-pass kernel and other
+    devices plan as without it."""
+    h100 = PROFILES["h100"]
+    vocab = dict(rows=8192, cols=128256, dtype=torch.bfloat16, live_tiles=2, fp32_tiles=4, profile=h100)
+    half, whole = plan_rows(**vocab), plan_rows(**vocab, gpu_whole_two_pass=True)
+    assert (half.block_cols, half.col_tiles, half.num_warps) == (8192, 16, 16)
+    assert (whole.block_cols, whole.col_tiles, whole.num_warps) == (16384, 8, 32)
+    assert whole.tile_bytes <= h100.onchip_bytes and "(two passes)" in whole.describe()
+    fits = {**vocab, "cols": 4096}
+    assert plan_rows(**fits, gpu_whole_two_pass=True) == plan_rows(**fits)
+    assert plan_rows(**vocab, row_state=False, gpu_whole_two_pass=True) == plan_rows(**vocab, row_state=False)
+    for name in ("ascend910b2", "cpu-interpreter"):
+        other = {**vocab, "profile": PROFILES[name]}
+        assert plan_rows(**other, gpu_whole_two_pass=True) == plan_rows(**other)
 
 
 def test_narrow_rows_share_a_tile():

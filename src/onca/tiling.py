@@ -36,6 +36,8 @@ __all__ = [
 
 # Triton refuses tensors with more elements than this in one block.
 MAX_TILE_ELEMENTS = 1 << 20
+# The most warps a CUDA program can have (1024 threads).
+_GPU_PROGRAM_WARPS = 32
 
 
 class TilingError(ValueError):
@@ -122,6 +124,7 @@ def plan_rows(
     row_state: bool = True,
     min_gpu_rows: int | None = None,
     max_gpu_rows: int | None = None,
+    gpu_whole_two_pass: bool = False,
 ) -> RowPlan:
     """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
 
@@ -142,17 +145,21 @@ def plan_rows(
     ``min_gpu_rows`` / ``max_gpu_rows`` bound the rows the GPU's rows-per-tile rule
     (``_gpu_block_rows``) gives, where a kernel measured other rows faster; the budget, the largest
     tile and the spread over compute units still cap them, and other devices ignore them.
+    ``gpu_whole_two_pass`` gives a GPU's two-pass tile the whole budget instead of half: fewer,
+    larger programs, so that the rows in flight, which the second pass reads again, stay in the
+    GPU's L2 cache (where a kernel measured it faster); other devices ignore it.
     """
     return _plan_rows(
         int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
         int(column_fp32), persistent, max_block_rows, max_block_cols, max_programs, bool(row_state),
-        min_gpu_rows, max_gpu_rows,
+        min_gpu_rows, max_gpu_rows, bool(gpu_whole_two_pass),
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, persistent, max_block_rows,
-               max_block_cols, max_programs, row_state, min_gpu_rows, max_gpu_rows) -> RowPlan:
+               max_block_cols, max_programs, row_state, min_gpu_rows, max_gpu_rows,
+               gpu_whole_two_pass) -> RowPlan:
     if rows < 1 or cols < 1:
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
     if max_programs is not None and max_programs < 1:
@@ -179,7 +186,8 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
             f"({min_block} columns, {min_block * (bytes_per_col + column_bytes)} bytes) do not fit the "
             f"{profile.onchip_bytes}-byte on-chip budget of profile {profile.name!r}"
         )
-    if next_power_of_2(cols) > widest and row_state:
+    whole = gpu_whole_two_pass and profile.kind == "cuda" and row_state and next_power_of_2(cols) > widest
+    if next_power_of_2(cols) > widest and row_state and not whole:
         # Two passes: the kernel carries per-row state across tiles and reloads each tile, so it
         # gets half the budget (room for that state, and for the next tile's loads in flight).
         widest = max(min_block, widest // 2)
@@ -205,7 +213,10 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
         block_rows = max(1, block_rows)
     row_blocks = math.ceil(rows / block_rows)
     tile_elements = block_rows * block_cols
-    num_warps = _num_warps(profile, tile_elements, is_persistent)
+    # A whole-budget two-pass tile spreads over the largest program a GPU runs, at the same
+    # elements per thread as a half-budget tile in half the warps.
+    max_warps = _GPU_PROGRAM_WARPS if whole else profile.max_warps
+    num_warps = _num_warps(profile, tile_elements, is_persistent, max_warps)
     per_unit = max(1, profile.warps_per_unit // num_warps) if profile.warps_per_unit else 1
     grid = min(row_blocks, profile.compute_units * per_unit) if is_persistent else row_blocks
     if max_programs is not None:
@@ -245,12 +256,13 @@ def _gpu_block_rows(profile: DeviceProfile, block_cols: int, persistent: bool) -
     return max(1, profile.tile_elements // block_cols)
 
 
-def _num_warps(profile: DeviceProfile, tile_elements: int, persistent: bool) -> int:
+def _num_warps(profile: DeviceProfile, tile_elements: int, persistent: bool, max_warps: int) -> int:
     """About 16 elements of each tile per thread for one-pass kernels and 32 for persistent ones
-    (their loop overlaps one row block's reduction with the next one's loads), 32 threads a warp."""
+    (their loop overlaps one row block's reduction with the next one's loads), 32 threads a warp,
+    at most ``max_warps``."""
     per_thread = 32 if persistent else 16
     floor = 4 if profile.kind == "cuda" else 1
-    return max(floor, min(profile.max_warps, _floor_power_of_2(max(1, tile_elements // (32 * per_thread)))))
+    return max(floor, min(max_warps, _floor_power_of_2(max(1, tile_elements // (32 * per_thread)))))
 
 
 @dataclass(frozen=True)
@@ -274,7 +286,8 @@ class ChunkPlan:
         )
 
 
-def plan_token_chunks(tokens: int, bytes_per_token: int, budget_bytes: int, *, multiple: int = 16) -> ChunkPlan:
+def plan_token_chunks(tokens: int, bytes_per_token: int, budget_bytes: int, *,
+                      multiple: int = 16) -> ChunkPlan:
     """The largest chunk of tokens, a multiple of ``multiple`` (or all tokens), whose scratch
     (``bytes_per_token`` each: e.g. a row of logits and its gradient) fits ``budget_bytes``.
 
