@@ -258,6 +258,20 @@ def test_the_device_time_of_a_points_first_round_is_kept(monkeypatch):
     assert (onca.y50, onca.device_ms) == (4.0, 0.5) and (ref.y50, ref.device_ms) == (1.0, 0.75)
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_call_that_synchronises_gets_no_device_time_and_breaks_nothing_after_it():
+    """A peer that reads a device value on the host (liger-kernel's cross entropy counts its
+    targets with ``.item()``) cannot be captured: its device time is None, and the random inputs of
+    the next point can still be made (a capture started and failed left torch's CUDA generator in
+    capture mode: every later ``torch.randn`` raised, and a whole sweep after one such peer failed)."""
+    settings = harness.Settings(device="cuda", dtype=torch.float32, providers=("onca",))
+    h = harness.Harness(settings, progress=False)
+    x = torch.randn(64, device="cuda", requires_grad=True)
+    assert h._device_ms(lambda: x * float(x.sum()), [x], "full") is None
+    assert torch.randn(8, device="cuda").shape == (8,)
+    assert h._device_ms(lambda: x * 2.0, [x], "full") > 0
+
 def test_plot_draws_a_categorical_sweep_as_bars_and_a_limit_hatched(tmp_path, monkeypatch):
     import matplotlib.axes
 

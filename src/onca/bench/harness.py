@@ -366,9 +366,14 @@ class Harness:
             side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graphs asks
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
+                step()
+                synchronises = _synchronises(step)
             torch.cuda.current_stream().wait_stream(side)
+            if synchronises:
+                # Never start a capture that must fail: a failed capture leaves torch's CUDA random
+                # generator in capture mode, and every later torch.randn raises "Offset increment
+                # outside graph capture" (the rest of a sweep's inputs could not be made).
+                return None
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step()
@@ -561,6 +566,20 @@ def percentiles(values) -> tuple[float, float, float]:
         return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
     return q(0.5), q(0.2), q(0.8)
+
+
+def _synchronises(step) -> bool:
+    """Whether ``step()`` waits for the GPU on the host (``.item()``, a device-to-host copy): run
+    once under torch's sync debug mode, which raises on such a call."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return False
 
 
 def _free():
