@@ -67,8 +67,8 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd, tracing
-from onca.ops._launch import fast_launch
-from onca.ops._rows import as_rows, rows_cols
+from onca.ops._launch import fast_launch, row_launch
+from onca.ops._rows import as_rows, rows_cols, rows_in_place
 from onca.ops._validate import (
     check_bool,
     check_float,
@@ -362,10 +362,11 @@ def _cross_entropy_kernel(
 @fast_launch
 @triton.jit
 def _rescale_kernel(
-    x_ptr, out_ptr, g_ptr, applied_ptr,
+    x_ptr, out_ptr, g_ptr, applied_ptr, record_ptr,
     n_rows, n_cols, x_row_stride, out_row_stride, g_stride,
     HAS_APPLIED: tl.constexpr,
     SKIP_UNCHANGED: tl.constexpr,
+    RECORD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
@@ -373,7 +374,9 @@ def _rescale_kernel(
     """``out = x * g / applied`` per row (``g_ptr[r * g_stride]``: stride 0 for a scalar), in fp32.
 
     With ``SKIP_UNCHANGED`` (``out`` is ``x``) rows whose factor is exactly 1 are neither read nor
-    written: a loss's incoming gradient is usually 1, and then this costs nothing.
+    written: a loss's incoming gradient is usually 1, and then this costs nothing. ``RECORD`` also
+    writes each row's ``g`` in fp32 to ``record_ptr[r * g_stride]`` (every program the same value
+    for a scalar): the factor a later rescale must divide out.
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -383,6 +386,8 @@ def _rescale_kernel(
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         factor = tl.load(g_ptr + rows * g_stride, mask=row_mask, other=1.0).to(tl.float32)
+        if RECORD:
+            tl.store(record_ptr + rows * g_stride, factor, mask=row_mask)
         if HAS_APPLIED:
             factor = factor / tl.load(applied_ptr + rows * g_stride, mask=row_mask, other=1.0)
         rows64 = rows.to(tl.int64)[:, None]
@@ -647,8 +652,9 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Tensor | None,
         cross_entropy_rows(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
                            lse_square_scale=lse_square_scale, softcap=softcap, compute_lse=True, lse=lse,
                            loss=ce_rows, z=z_rows, predicted=predicted if predictions else None, grad=into,
-                           scale=_unit_scale(stats, reduction), z_scale=_unit_scale(stats, reduction, z=True),
-                           weight=weight, weight_total=stats[WEIGHT_TOTAL])
+                           scale=_unit_scale(stats, reduction),
+                           z_scale=_unit_scale(stats, reduction, z=True) if lse_square_scale else None,
+                           weight=weight, weight_total=stats[WEIGHT_TOTAL] if weight is not None else None)
     loss, z_loss, accuracy = reduce_losses(ce_rows, z_rows, stats, reduction, logits.dtype,
                                            weighted=weight is not None,
                                            predicted=predicted if predictions else None, target=target,
@@ -708,22 +714,33 @@ def _(grad_loss, logits, target, lse, weight, ignore_index, label_smoothing, lse
 
 
 def _launch_rescale(grad: Tensor, out: Tensor, grad_output: Tensor, applied: Tensor | None,
-                    skip_unchanged: bool) -> None:
+                    skip_unchanged: bool, record: Tensor | None = None) -> None:
     """``out = grad * grad_output / applied`` by rows (``out`` may be ``grad`` itself; then
-    ``skip_unchanged`` leaves the rows whose factor is 1 untouched)."""
+    ``skip_unchanged`` leaves the rows whose factor is 1 untouched); ``record`` (fp32, one value
+    per element of ``grad_output``) receives ``grad_output``'s values. A 1-D ``grad`` is one row."""
     if grad.numel() == 0:
         return
-    x2d = grad.view(-1, grad.shape[-1]) if grad.dim() > 1 else grad.view(1, -1)
-    o2d = out.view(x2d.shape)
-    g = grad_output.reshape(-1).contiguous()  # an expanded gradient (stride 0) read like ``applied``
-    rows, cols = x2d.shape
-    p = plan_rows(rows, cols, grad.dtype, **RESCALE_TILES)
-    _rescale_kernel[(p.grid,)](
-        x2d, o2d, g, applied if applied is not None else g,
-        rows, cols, x2d.stride(0), o2d.stride(0), 0 if grad_output.dim() == 0 else 1,
-        HAS_APPLIED=applied is not None, SKIP_UNCHANGED=skip_unchanged,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
-    )
+    rows, cols, grad_stride = _rows_written(grad)
+    out_stride = grad_stride if out is grad else _rows_written(out)[2]
+    # An expanded gradient (stride 0) is made contiguous: read per row like ``applied``.
+    g = grad_output if grad_output.is_contiguous() else grad_output.contiguous()
+    grid, kwargs, _ = row_launch(_rescale_kernel, rows, cols, grad.dtype, RESCALE_TILES,
+                                 {"HAS_APPLIED": applied is not None, "SKIP_UNCHANGED": skip_unchanged,
+                                  "RECORD": record is not None})
+    _rescale_kernel[grid](grad, out, g, applied if applied is not None else g,
+                          record if record is not None else g, rows, cols, grad_stride, out_stride,
+                          0 if grad_output.dim() == 0 else 1, **kwargs)
+
+
+def _rows_written(t: Tensor) -> tuple[int, int, int]:
+    """``(rows, cols, row_stride)`` of a gradient a kernel wrote row by row (a 1-D one is one row):
+    read in place, never copied (a copy would be rescaled instead of the gradient)."""
+    if t.dim() < 2:
+        return 1, t.numel(), t.numel()
+    same, rows, row_stride = rows_in_place(t)
+    if same is not t:
+        raise RuntimeError("internal error: a forward-pass gradient is not laid out in rows")
+    return rows, t.shape[-1], row_stride
 
 
 @custom_op("scale_forward_gradient")
@@ -742,11 +759,12 @@ def _(grad, grad_output, applied):
     return torch.empty_like(grad)
 
 
-def rescale_in_place(grad: Tensor, grad_output: Tensor) -> None:
-    """``grad *= grad_output`` (0-d, or one per row), skipping the rows whose factor is 1: the eager
-    route only, a plain launch and no registered op (a registered op would have to declare the
-    mutation, and tracing never takes this path)."""
-    _launch_rescale(grad, grad, grad_output, None, skip_unchanged=True)
+def rescale_in_place(grad: Tensor, grad_output: Tensor, record: Tensor | None = None) -> None:
+    """``grad *= grad_output`` (0-d, or one per row), skipping the rows whose factor is 1, and
+    ``grad_output``'s values into ``record`` (fp32) when given: the eager route only, a plain
+    launch and no registered op (a registered op would have to declare the mutation, and tracing
+    never takes this path)."""
+    _launch_rescale(grad, grad, grad_output, None, skip_unchanged=True, record=record)
 
 
 # ---------------------------------------------------------------------------------------- autograd
@@ -785,11 +803,13 @@ class ForwardGradients:
         if self.versions is not None:
             return tuple(scale_forward_gradient(t, grad_output, self.applied) if t is not None else None
                          for t in self.tensors)
+        # A copy, not the caller's tensor (it may be changed before a second backward), written by
+        # the rescaling launches themselves (each the same values): no copy kernel of its own. An
+        # empty gradient launches nothing, and a later rescale of it reads nothing.
+        self.applied = torch.empty(grad_output.numel(), dtype=torch.float32, device=grad_output.device)
         for t in self.tensors:
             if t is not None:
-                rescale_in_place(t, grad_output)
-        # A copy, not the caller's tensor: it may be changed before a second backward.
-        self.applied = grad_output.reshape(-1).to(torch.float32, copy=True).contiguous()
+                rescale_in_place(t, grad_output, record=self.applied)
         self.versions = [t._version if t is not None else None for t in self.tensors]
         # Fresh views: autograd can make them a leaf's .grad without a copy (it copies a tensor
         # that something else still references), and they share the version counters checked above.
