@@ -143,6 +143,37 @@ def test_unused_k_and_overwrite(device):
         assert torch.equal(g, e)
 
 
+@pytest.mark.parametrize("case", ["in_place", "fused_qk", "compiled"])
+def test_overwrite_inputs(device, case):
+    """``overwrite_inputs=True`` rotates q and k in their own storage (views of them returned) with
+    the values and gradients of new tensors; q and k views of one buffer and a compiled graph get
+    new tensors, q and k untouched."""
+    b, s, hq, hk, d = SHAPES[0]
+    q, k, freqs_cis = make(SHAPES[0], torch.bfloat16, device)
+    if case == "fused_qk":
+        qk = randn(b, s, hq + hk, d, dtype=torch.bfloat16, device=device)
+        q, k = qk[:, :, :hq], qk[:, :, hq:]
+    q1, k1 = leaf(q), leaf(k)
+    expected = llama4_rope(q1, k1, freqs_cis)
+    grads = tuple(torch.randn_like(t) for t in expected)
+    torch.autograd.backward(expected, grads)
+    q2, k2 = leaf(q), leaf(k)
+    saved = (q2.detach().clone(), k2.detach().clone())
+
+    def rotate(q, k, f):
+        return llama4_rope(q, k, f, overwrite_inputs=True)
+
+    got = (torch.compile(rotate, backend="eager", fullgraph=True) if case == "compiled" else rotate)(q2, k2, freqs_cis)
+    for out, inp, e, before in zip(got, (q2, k2), expected, saved):
+        assert torch.equal(out, e)
+        if case == "in_place":
+            assert out.data_ptr() == inp.data_ptr() and torch.equal(inp.detach(), e.detach())
+        else:
+            assert out.data_ptr() != inp.data_ptr() and torch.equal(inp.detach(), before)
+    torch.autograd.backward(got, grads)
+    assert torch.equal(q2.grad, q1.grad) and torch.equal(k2.grad, k1.grad)
+
+
 def test_empty_input(device):
     q, k, freqs_cis = make((2, 0, 3, 1, 16), torch.bfloat16, device)
     q1, k1 = leaf(q), leaf(k)
@@ -170,6 +201,8 @@ def test_bad_input(device):
         llama4_rope(q[..., :-1], k[..., :-1], freqs_cis)
     with pytest.raises(TypeError, match="overwrite_grad_output must be a bool"):
         llama4_rope(q, k, freqs_cis, overwrite_grad_output=1)
+    with pytest.raises(TypeError, match="overwrite_inputs must be a bool"):
+        llama4_rope(q, k, freqs_cis, overwrite_inputs="yes")
 
 
 def test_op_contract(device):

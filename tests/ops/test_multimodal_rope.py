@@ -201,6 +201,39 @@ def test_unused_k_and_no_table_gradient(device):
     assert_close(q1.grad, q64.grad, torch.float32, "dq")
 
 
+@pytest.mark.parametrize("case", ["in_place", "promoted", "fused_qk", "compiled"])
+def test_overwrite_inputs(device, case):
+    """``overwrite_inputs=True`` rotates q and k in their own storage (views of them returned) with
+    the values and gradients of new tensors; where the result's dtype is not q's (fp32 tables), q and
+    k are views of one buffer, or in a compiled graph: new tensors, q and k untouched."""
+    shape = SHAPES[0]
+    b, s, hq, hk, d, sec = shape
+    q, k, cos, sin = make(shape, torch.bfloat16, device, cos_dtype=torch.float32 if case == "promoted" else None)
+    if case == "fused_qk":
+        qk = randn(b, s, hq + hk, d, dtype=torch.bfloat16, device=device)
+        q, k = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
+    q1, k1 = leaf(q), leaf(k)
+    expected = multimodal_rope(q1, k1, cos, sin, sec)
+    grads = tuple(torch.randn_like(t) for t in expected)
+    torch.autograd.backward(expected, grads)
+    q2, k2 = leaf(q), leaf(k)
+    saved = (q2.detach().clone(), k2.detach().clone())
+
+    def rotate(q, k, cos, sin):
+        return multimodal_rope(q, k, cos, sin, sec, overwrite_inputs=True)
+
+    got = (torch.compile(rotate, backend="eager", fullgraph=True) if case == "compiled" else rotate)(q2, k2, cos, sin)
+    for out, inp, e, before in zip(got, (q2, k2), expected, saved):
+        assert torch.equal(out, e)
+        if case == "in_place":
+            assert out.data_ptr() == inp.data_ptr() and out.stride() == inp.stride()
+            assert torch.equal(inp.detach(), e.detach())
+        else:
+            assert out.data_ptr() != inp.data_ptr() and torch.equal(inp.detach(), before)
+    torch.autograd.backward(got, grads)
+    assert torch.equal(q2.grad, q1.grad) and torch.equal(k2.grad, k1.grad)
+
+
 @pytest.mark.parametrize("layout", [1, 2])
 def test_empty_input(device, layout):
     shape = (2, 0, 3, 1, 16, (2, 3, 3))
@@ -240,6 +273,8 @@ def test_bad_input(device):
         multimodal_rope(q, k[..., :-2], cos, sin, sec)
     with pytest.raises(TypeError, match="mrope_interleaved must be a bool"):
         multimodal_rope(q, k, cos, sin, sec, mrope_interleaved=1)
+    with pytest.raises(TypeError, match="overwrite_inputs must be a bool"):
+        multimodal_rope(q, k, cos, sin, sec, overwrite_inputs=1)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["sections", "interleaved"])

@@ -813,7 +813,7 @@ class ForwardGradients:
         self.versions = [t._version if t is not None else None for t in self.tensors]
         # Fresh views: autograd can make them a leaf's .grad without a copy (it copies a tensor
         # that something else still references), and they share the version counters checked above.
-        return tuple(t.view(t.shape) if t is not None else None for t in self.tensors)
+        return tuple(t.view_as(t) if t is not None else None for t in self.tensors)
 
 
 def keep_forward_gradients(ctx, tensors, *traced_by) -> None:

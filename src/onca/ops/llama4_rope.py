@@ -47,18 +47,16 @@ def _tables(freqs_cis: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @custom_op("llama4_rope_forward")
-def llama4_rope_forward(q: Tensor, k: Tensor, freqs_cis: Tensor,
-                        overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
-    """``(q_embed, k_embed)`` for ``(B, S, H, D)`` ``q``/``k`` and a complex ``(B or 1, S, D/2)`` table."""
-    q_embed = _rope._output_like(q, q.dtype)
-    k_embed = _rope._output_like(k, k.dtype)
+def llama4_rope_forward(q: Tensor, k: Tensor, freqs_cis: Tensor, overwrite_grad_output: bool,
+                        overwrite_inputs: bool) -> tuple[Tensor, Tensor]:
+    """``(q_embed, k_embed)`` for ``(B, S, H, D)`` ``q``/``k`` and a complex ``(B or 1, S, D/2)``
+    table; ``overwrite_inputs`` (eager route only) as RoPE's."""
     cos, sin = _tables(freqs_cis)
-    _rope._launch(q, k, cos, sin, q_embed, k_embed, heads_first=False, backward=False, interleaved=True)
-    return q_embed, k_embed
+    return _rope._rotate_forward(q, k, cos, sin, q.dtype, k.dtype, False, overwrite_inputs, interleaved=True)
 
 
 @llama4_rope_forward.register_fake
-def _(q, k, freqs_cis, overwrite_grad_output):
+def _(q, k, freqs_cis, overwrite_grad_output, overwrite_inputs):
     return _rope._output_like(q, q.dtype), _rope._output_like(k, k.dtype)
 
 
@@ -68,9 +66,9 @@ def llama4_rope_backward(dq_embed: Tensor | None, dk_embed: Tensor | None, freqs
                          overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
     """``(dq, dk)``: the incoming gradients rotated by the conjugate table; a gradient that did not
     come gives an empty result. ``overwrite_grad_output`` (eager only) writes over them."""
-    dq = _rope._gradient_buffer(dq_embed, q_dtype, freqs_cis.real, overwrite_grad_output)
-    dk = _rope._gradient_buffer(dk_embed, k_dtype, freqs_cis.real, overwrite_grad_output)
     cos, sin = _tables(freqs_cis)
+    dq = _rope._gradient_buffer(dq_embed, q_dtype, cos, overwrite_grad_output)
+    dk = _rope._gradient_buffer(dk_embed, k_dtype, cos, overwrite_grad_output)
     _rope._launch(dq_embed, dk_embed, cos, sin, dq, dk, heads_first=False, backward=True, interleaved=True)
     return dq, dk
 
@@ -83,7 +81,7 @@ def _(dq_embed, dk_embed, freqs_cis, q_dtype, k_dtype, overwrite_grad_output):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, freqs_cis, overwrite_grad_output = inputs
+    q, k, freqs_cis, overwrite_grad_output, _ = inputs
     ctx.save_for_backward(freqs_cis)
     ctx.q_dtype, ctx.k_dtype, ctx.overwrite_grad_output = q.dtype, k.dtype, overwrite_grad_output
 
@@ -92,18 +90,18 @@ def _backward(ctx, dq_embed, dk_embed):
     dq_embed = dq_embed if ctx.needs_input_grad[0] else None
     dk_embed = dk_embed if ctx.needs_input_grad[1] else None
     if dq_embed is None and dk_embed is None:
-        return None, None, None, None
+        return None, None, None, None, None
     (freqs_cis,) = ctx.saved_tensors
     overwrite = ctx.overwrite_grad_output and not tracing(dq_embed, dk_embed)
     dq, dk = llama4_rope_backward(dq_embed, dk_embed, freqs_cis, ctx.q_dtype, ctx.k_dtype, overwrite)
-    return (None if dq_embed is None else dq), (None if dk_embed is None else dk), None, None
+    return (None if dq_embed is None else dq), (None if dk_embed is None else dk), None, None, None
 
 
 register_autograd(llama4_rope_forward, _backward, setup_context=_setup_context)
 
 
-def llama4_rope(q: Tensor, k: Tensor, freqs_cis: Tensor,
-                overwrite_grad_output: bool = False) -> tuple[Tensor, Tensor]:
+def llama4_rope(q: Tensor, k: Tensor, freqs_cis: Tensor, overwrite_grad_output: bool = False,
+                overwrite_inputs: bool = False) -> tuple[Tensor, Tensor]:
     """Llama 4's rotary embedding of ``q`` and ``k`` in one launch: a drop-in for transformers'
     ``models.llama4.modeling_llama4.apply_rotary_emb(xq, xk, freqs_cis)`` and liger-kernel's
     ``liger_llama4_text_rotary_pos_emb``.
@@ -113,7 +111,10 @@ def llama4_rope(q: Tensor, k: Tensor, freqs_cis: Tensor,
     ``(x[2j], x[2j+1])``, multiplied by ``freqs_cis`` (complex64 or complex128, shape ``(1 or
     batch, seq, head_dim / 2)``, or ``(seq, head_dim / 2)`` for every sequence) in fp32. The results
     are new tensors of ``q``'s and ``k``'s dtypes and layouts; ``freqs_cis`` gets no gradient.
-    ``overwrite_grad_output`` writes ``dq``/``dk`` over the incoming gradients (eager only).
+    ``overwrite_grad_output`` writes ``dq``/``dk`` over the incoming gradients and
+    ``overwrite_inputs`` the rotated heads over ``q``/``k``, returning views of them (as
+    liger-kernel's Llama 4 RoPE does; where the layout does not allow it, new tensors), both eager
+    only, with :func:`onca.functional.rotary_pos_emb`'s conditions.
     """
     check_float(q, "q")
     check_float(k, "k")
@@ -137,4 +138,6 @@ def llama4_rope(q: Tensor, k: Tensor, freqs_cis: Tensor,
         raise ValueError(f"freqs_cis must have shape (1 or batch={b}, seq={s}, head_dim / 2={d // 2}) or "
                          f"(seq, head_dim / 2) for q {tuple(q.shape)}, got {tuple(freqs_cis.shape)}")
     check_bool(overwrite_grad_output, "overwrite_grad_output")
-    return llama4_rope_forward(q, k, freqs_cis, overwrite_grad_output)
+    check_bool(overwrite_inputs, "overwrite_inputs")
+    overwrite_inputs = overwrite_inputs and not tracing(q, k, freqs_cis)
+    return llama4_rope_forward(q, k, freqs_cis, overwrite_grad_output, overwrite_inputs)

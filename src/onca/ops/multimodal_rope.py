@@ -31,7 +31,7 @@ from torch import Tensor
 
 from onca.ops import rope as _rope
 from onca.ops._contract import custom_op, register_autograd, tracing
-from onca.ops._validate import check_bool, check_float, check_tensor
+from onca.ops._validate import check_bool, check_tensor
 from onca.tiling import RowPlan
 
 __all__ = ["multimodal_rope", "plan"]
@@ -53,17 +53,17 @@ def _mode(interleaved: bool) -> int:
 @custom_op("multimodal_rope_forward")
 def multimodal_rope_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, section_t: int,
                             section_h: int, section_w: int, interleaved: bool, heads_first: bool,
-                            overwrite_grad_output: bool) -> tuple[Tensor, Tensor]:
-    """``(q_embed, k_embed)`` for 4-D ``q``/``k`` and 4-D ``(3, B or 1, S, R)`` ``cos``/``sin``."""
-    q_embed = _rope._output_like(q, _rope._promoted(q, cos, sin))
-    k_embed = _rope._output_like(k, _rope._promoted(k, cos, sin))
-    _rope._launch(q, k, cos, sin, q_embed, k_embed, heads_first, backward=False,
-                  mrope=_mode(interleaved), sections=(section_t, section_h, section_w))
-    return q_embed, k_embed
+                            overwrite_grad_output: bool, overwrite_inputs: bool) -> tuple[Tensor, Tensor]:
+    """``(q_embed, k_embed)`` for 4-D ``q``/``k`` and 4-D ``(3, B or 1, S, R)`` ``cos``/``sin``;
+    ``overwrite_inputs`` (eager route only) as RoPE's."""
+    return _rope._rotate_forward(q, k, cos, sin, _rope._promoted(q, cos, sin), _rope._promoted(k, cos, sin),
+                                 heads_first, overwrite_inputs, mrope=_mode(interleaved),
+                                 sections=(section_t, section_h, section_w))
 
 
 @multimodal_rope_forward.register_fake
-def _(q, k, cos, sin, section_t, section_h, section_w, interleaved, heads_first, overwrite_grad_output):
+def _(q, k, cos, sin, section_t, section_h, section_w, interleaved, heads_first, overwrite_grad_output,
+      overwrite_inputs):
     return _rope._output_like(q, _rope._promoted(q, cos, sin)), _rope._output_like(k, _rope._promoted(k, cos, sin))
 
 
@@ -88,7 +88,7 @@ def _(dq_embed, dk_embed, cos, sin, section_t, section_h, section_w, interleaved
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, st, sh, sw, interleaved, heads_first, overwrite_grad_output = inputs
+    q, k, cos, sin, st, sh, sw, interleaved, heads_first, overwrite_grad_output, _ = inputs
     ctx.save_for_backward(cos, sin)
     ctx.sections, ctx.interleaved = (st, sh, sw), interleaved
     ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
@@ -98,7 +98,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dq_embed, dk_embed):
     dq_embed = dq_embed if ctx.needs_input_grad[0] else None
     dk_embed = dk_embed if ctx.needs_input_grad[1] else None
-    nones = (None,) * 8
+    nones = (None,) * 9
     if dq_embed is None and dk_embed is None:
         return (None, None) + nones
     cos, sin = ctx.saved_tensors
@@ -137,6 +137,7 @@ def multimodal_rope(
     unsqueeze_dim: int = 1,
     mrope_interleaved: bool = False,
     overwrite_grad_output: bool = False,
+    overwrite_inputs: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Multimodal RoPE (M-RoPE) of ``q`` and ``k`` in one launch: a drop-in for transformers 4.x's
     ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL, Qwen2.5-VL) and liger-kernel's
@@ -153,24 +154,25 @@ def multimodal_rope(
     head_dim)`` for ``unsqueeze_dim=1`` or ``(batch, seq, heads, head_dim)`` for ``2``; ``k`` may
     have fewer heads; ``rotary_dim < head_dim`` passes the rest through; the outputs are new
     tensors in the inputs' layout and promoted dtype; ``cos``/``sin`` get no gradient.
-    ``overwrite_grad_output`` writes ``dq``/``dk`` over the incoming gradients (eager only).
+    ``overwrite_grad_output`` writes ``dq``/``dk`` over the incoming gradients and
+    ``overwrite_inputs`` the rotated heads over ``q``/``k``, returning views of them (as
+    liger-kernel's M-RoPE does; where the dtype or layout does not allow it, new tensors), both
+    eager only, with :func:`onca.functional.rotary_pos_emb`'s conditions.
     """
     for t, name in ((cos, "cos"), (sin, "sin")):
         check_tensor(t, name)
         if t.dim() != 4 or t.shape[0] != 3:
             raise ValueError(f"{name} must be 4-D (3, 1 or batch, seq, rotary_dim): one table per "
                              f"position stream, got shape {tuple(t.shape)}")
-    check_float(cos, "cos")
-    check_float(sin, "sin")
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in (1, 2, -3, -2):
         # cos.unsqueeze(unsqueeze_dim) of the assembled (batch, seq, rotary_dim) table
         raise ValueError(f"unsqueeze_dim must be 1 or -3 (q/k of shape (batch, heads, seq, head_dim)) "
                          f"or 2 or -2 ((batch, seq, heads, head_dim)), got {unsqueeze_dim!r}")
-    heads_first = _rope._validate(q, k, cos[0], sin[0], unsqueeze_dim)
+    heads_first = _rope._validate(q, k, cos, sin, unsqueeze_dim, streams=True)
     sections = _sections(mrope_section, cos.shape[-1])
     check_bool(mrope_interleaved, "mrope_interleaved")
     check_bool(overwrite_grad_output, "overwrite_grad_output")
+    check_bool(overwrite_inputs, "overwrite_inputs")
+    overwrite_inputs = overwrite_inputs and not tracing(q, k, cos, sin)
     return multimodal_rope_forward(q, k, cos, sin, *sections, mrope_interleaved, heads_first,
-                                   overwrite_grad_output)
+                                   overwrite_grad_output, overwrite_inputs)

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd, tracing
-from onca.ops._launch import fast_launch
+from onca.ops._launch import fast_launch, launch_config
 from onca.ops._validate import check_bool, check_float, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
@@ -390,13 +390,20 @@ def _output_like(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _dense(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill its storage span exactly once (some permutation is contiguous):
-    its strides, smallest first, are the running products of its sizes (size-1 dimensions aside).
-    Plain integers: a permute and ``is_contiguous`` cost more host time than the kernel at small sizes."""
-    if t.numel() == 0:
+    """Whether ``t``'s elements fill its storage span exactly once (some permutation is contiguous).
+    Kept per layout: a permute and ``is_contiguous`` cost more host time than the kernel at small
+    sizes, and so does walking the strides on every call."""
+    return _dense_layout(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_layout(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """:func:`_dense` of a layout: its strides, smallest first, are the running products of its
+    sizes (size-1 dimensions aside)."""
+    if 0 in shape:
         return True
     expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1):
         if stride != expected:
             return False
         expected *= size
@@ -414,14 +421,6 @@ def _promoted(x: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
-def _stream_strides(t: Tensor) -> tuple[Tensor, int]:
-    """A multimodal table ``(3, batch, seq, width)`` as its temporal stream ``(batch, seq, width)``
-    (a view) and the stride between streams; a plain 3-D table is its own only stream."""
-    if t.dim() == 4:
-        return t[0], t.stride(0)
-    return t, 0
-
-
 def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: Tensor, yk: Tensor,
             heads_first: bool, backward: bool, interleaved: bool = False,
             mrope: int = 0, sections: tuple[int, int, int] = (0, 0, 0)) -> None:
@@ -432,37 +431,72 @@ def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: 
     ``cos``/``sin`` are ``(1 or batch, seq, width)``, or ``(3, 1 or batch, seq, width)`` with
     ``mrope`` 1 or 2 (the kernel's ``MROPE``; ``sections`` its ``SEC_T, SEC_H, SEC_W``). With
     ``interleaved`` (Llama 4) their width is half the rotary dim and any column stride is read in
-    place (the real and imaginary parts of a complex table)."""
-    present = xq if xq is not None else xk
-    batch, seq, _, head_dim = _bshd(present, heads_first)
-    hq = 0 if xq is None else _bshd(xq, heads_first)[2]
-    hk = 0 if xk is None else _bshd(xk, heads_first)[2]
-    if batch * seq == 0 or hq + hk == 0:
-        return  # nothing to rotate: never a zero-size grid
+    place (the real and imaginary parts of a complex table).
+
+    Everything but the pointers is kept per layout (:func:`launch_config`): at the sizes where the
+    host is the cost, deriving the strides and the tile again on every call cost more than the
+    launch."""
+    q_absent, k_absent = xq is None, xk is None
+    if q_absent and k_absent:
+        return
     # The absent side's pointers stand in for nothing: with no heads the kernel never reads them.
-    xq, yq = (xq, yq) if xq is not None else (xk, yk)
-    xk, yk = (xk, yk) if xk is not None else (xq, yq)
+    xq, yq = (xk, yk) if q_absent else (xq, yq)
+    xk, yk = (xq, yq) if k_absent else (xk, yk)
     xq, xk = _unit_last(xq), _unit_last(xk)
     if not interleaved:
         cos, sin = _unit_last(cos), _unit_last(sin)
-    cos, cos_st = _stream_strides(cos)
-    sin, sin_st = _stream_strides(sin)
+    key = (_rope_kernel, heads_first, backward, interleaved, mrope, sections, q_absent, k_absent,
+           xq.shape, xq.stride(), yq.stride(), xk.shape, xk.stride(), yk.stride(), cos.shape,
+           cos.stride(), sin.stride(), xq.dtype, xk.dtype, yq.dtype, yk.dtype, get_profile())
+    grid, scalars, constexprs = launch_config(key, lambda: _launch_config(
+        xq, xk, cos, sin, yq, yk, heads_first, backward, interleaved, mrope, sections, q_absent, k_absent))
+    if grid is not None:  # None: nothing to rotate, never a zero-size grid
+        _rope_kernel[grid](xq, xk, yq, yk, cos, sin, *scalars, **constexprs)
+
+
+def _launch_config(xq, xk, cos, sin, yq, yk, heads_first, backward, interleaved, mrope, sections,
+                   q_absent, k_absent):
+    """``(grid, scalar arguments, keyword constexprs)`` of :func:`_launch`'s kernel for these
+    layouts (the grid None when there is nothing to rotate). A multimodal table's pointer is its
+    temporal stream's (index 0 of its first dim), so the table itself is passed."""
+    batch, seq, _, head_dim = _bshd(xq, heads_first)
+    hq = 0 if q_absent else _bshd(xq, heads_first)[2]
+    hk = 0 if k_absent else _bshd(xk, heads_first)[2]
+    if batch * seq == 0 or hq + hk == 0:
+        return None, (), {}
+    cos_st, sin_st = (cos.stride(0), sin.stride(0)) if cos.dim() == 4 else (0, 0)
+    cos3, sin3 = (cos[0], sin[0]) if cos.dim() == 4 else (cos, sin)
     dtype = _widest(xq.dtype, xk.dtype, yq.dtype, yk.dtype)
     rotary_dim = cos.shape[-1] * (2 if interleaved else 1)
     t = tiles(batch * seq, hq or hk, hk or hq, head_dim, rotary_dim, dtype)
-    _rope_kernel[(t.plan.grid,)](
-        xq, xk, yq, yk, cos, sin,
+    scalars = (
         batch * seq, seq, hq, hk,
         *_bsh_strides(xq, heads_first), *_bsh_strides(yq, heads_first),
         *_bsh_strides(xk, heads_first), *_bsh_strides(yk, heads_first),
-        *_cs_strides(cos), *_cs_strides(sin),
+        *_cs_strides(cos3), *_cs_strides(sin3),
         cos_st, sin_st, cos.stride(-1), sin.stride(-1),
+    )
+    constexprs = dict(
         HALF=t.half, PASS=t.pass_cols, BACKWARD=backward,
         INTERLEAVED=interleaved, MROPE=mrope, SEC_T=sections[0], SEC_H=sections[1], SEC_W=sections[2],
         BLOCK_T=t.block_t, BLOCK_HQ=t.block_hq, BLOCK_HK=t.block_hk, BLOCK_J=t.block_j,
-        BLOCK_P=t.block_p,
-        num_warps=t.plan.num_warps,
+        BLOCK_P=t.block_p, num_warps=t.plan.num_warps,
     )
+    return (t.plan.grid,), scalars, constexprs
+
+
+def _rotate_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_dtype: torch.dtype,
+                    k_dtype: torch.dtype, heads_first: bool, overwrite_inputs: bool,
+                    **variant) -> tuple[Tensor, Tensor]:
+    """The forward launch of every RoPE op: over ``q`` and ``k`` themselves (returning views of
+    them) when ``overwrite_inputs`` and :func:`_in_place` allow it, else into new tensors of
+    ``q_dtype``/``k_dtype`` in their layouts. ``variant``: :func:`_launch`'s keyword arguments."""
+    if overwrite_inputs and _in_place(q, k, q_dtype, k_dtype):
+        _launch(q, k, cos, sin, q, k, heads_first, backward=False, **variant)
+        return q.view_as(q), k.view_as(k)  # view_as: a third of view(shape)'s host time
+    q_embed, k_embed = _output_like(q, q_dtype), _output_like(k, k_dtype)
+    _launch(q, k, cos, sin, q_embed, k_embed, heads_first, backward=False, **variant)
+    return q_embed, k_embed
 
 
 @custom_op("rope_forward")
@@ -472,13 +506,8 @@ def rope_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, heads_first: bo
     ``(B, S, H, D)``) and 3-D ``cos``/``sin``. ``overwrite_grad_output`` is the backward's (see
     ``rotary_pos_emb``). ``overwrite_inputs`` (eager route only) rotates ``q``/``k`` in their own
     storage where :func:`_in_place` allows and returns views of them."""
-    if overwrite_inputs and _in_place(q, k, cos, sin):
-        _launch(q, k, cos, sin, q, k, heads_first, backward=False)
-        return q.view(q.shape), k.view(k.shape)
-    q_embed = _output_like(q, _promoted(q, cos, sin))
-    k_embed = _output_like(k, _promoted(k, cos, sin))
-    _launch(q, k, cos, sin, q_embed, k_embed, heads_first, backward=False)
-    return q_embed, k_embed
+    return _rotate_forward(q, k, cos, sin, _promoted(q, cos, sin), _promoted(k, cos, sin), heads_first,
+                           overwrite_inputs)
 
 
 @rope_forward.register_fake
@@ -486,24 +515,28 @@ def _(q, k, cos, sin, heads_first, overwrite_grad_output, overwrite_inputs):
     return _output_like(q, _promoted(q, cos, sin)), _output_like(k, _promoted(k, cos, sin))
 
 
-def _in_place(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
+def _in_place(q: Tensor, k: Tensor, q_dtype: torch.dtype, k_dtype: torch.dtype) -> bool:
     """Whether the rotation may be written over ``q`` and ``k``: each holds its result's dtype, is
     read in place (unit last-dim stride) and fills its memory span exactly (so views of one fused
     q/k/v buffer, which leave gaps, get new tensors), and the two spans do not meet (for such
     tensors that means no shared element, which would be rotated twice)."""
-    return (_reusable(q, _promoted(q, cos, sin)) and _reusable(k, _promoted(k, cos, sin))
-            and not _spans_meet(q, k))
+    return _reusable(q, q_dtype) and _reusable(k, k_dtype) and not _spans_meet(q, k)
 
 
 def _spans_meet(a: Tensor, b: Tensor) -> bool:
     """Whether the address ranges of two tensors' elements intersect."""
-    def span(t):
-        start = t.data_ptr()
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        return start, start + (last + 1) * t.element_size()
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + _span_bytes(b) and b0 < a0 + _span_bytes(a)
 
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+
+def _span_bytes(t: Tensor) -> int:
+    return (_last_offset(t.shape, t.stride()) + 1) * t.element_size()
+
+
+@functools.lru_cache(maxsize=1024)
+def _last_offset(shape: torch.Size, strides: tuple[int, ...]) -> int:
+    """The offset of a layout's last element from its first (in elements)."""
+    return sum((n - 1) * st for n, st in zip(shape, strides))
 
 
 def _gradient_buffer(grad: Tensor | None, dtype: torch.dtype, like: Tensor, overwrite: bool) -> Tensor:
@@ -515,7 +548,7 @@ def _gradient_buffer(grad: Tensor | None, dtype: torch.dtype, like: Tensor, over
     ``backward`` still holds ``grad`` (a whole copy of q and k per step otherwise)."""
     if grad is None:
         return like.new_empty(0, dtype=dtype)
-    return grad.view(grad.shape) if overwrite and _reusable(grad, dtype) else _output_like(grad, dtype)
+    return grad.view_as(grad) if overwrite and _reusable(grad, dtype) else _output_like(grad, dtype)
 
 
 @custom_op("rope_backward")
@@ -568,36 +601,40 @@ _LAYOUTS = {True: "(batch, heads, seq, head_dim)", False: "(batch, seq, heads, h
 _COS_LAYOUTS = {2: "(seq, rotary_dim)", 3: "(1 or batch, seq, rotary_dim)"}
 
 
-def _heads_first(cos: Tensor, unsqueeze_dim) -> bool:
-    """The q/k layout that ``cos.unsqueeze(unsqueeze_dim)`` broadcasts against, as transformers'
-    ``apply_rotary_pos_emb`` uses it: a new dim before cos's seq dim stands for the heads of
-    ``(batch, heads, seq, head_dim)``, one after it for those of ``(batch, seq, heads, head_dim)``."""
-    before = cos.dim() - 2  # the unsqueeze_dim that puts the new dim just before seq
-    n = cos.dim() + 1
+def _heads_first(table_dim: int, unsqueeze_dim) -> bool:
+    """The q/k layout that ``cos.unsqueeze(unsqueeze_dim)`` (``cos`` of ``table_dim`` dims)
+    broadcasts against, as transformers' ``apply_rotary_pos_emb`` uses it: a new dim before cos's
+    seq dim stands for the heads of ``(batch, heads, seq, head_dim)``, one after it for those of
+    ``(batch, seq, heads, head_dim)``."""
+    before = table_dim - 2  # the unsqueeze_dim that puts the new dim just before seq
+    n = table_dim + 1
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
         raise TypeError(f"unsqueeze_dim must be an int, got {type(unsqueeze_dim).__name__} {unsqueeze_dim!r}")
     if not -n <= unsqueeze_dim < n or unsqueeze_dim % n not in (before, before + 1):
         raise ValueError(
             f"unsqueeze_dim must be {before} or {before - n} (q/k of shape {_LAYOUTS[True]}) or "
-            f"{before + 1} or {before + 1 - n} ({_LAYOUTS[False]}) for {cos.dim()}-D cos "
-            f"{_COS_LAYOUTS[cos.dim()]}, got {unsqueeze_dim!r}"
+            f"{before + 1} or {before + 1 - n} ({_LAYOUTS[False]}) for {table_dim}-D cos "
+            f"{_COS_LAYOUTS[table_dim]}, got {unsqueeze_dim!r}"
         )
     return unsqueeze_dim % n == before
 
 
-def _validate(q, k, cos, sin, unsqueeze_dim) -> bool:
-    """Checks every argument; returns whether ``q``/``k`` are ``(batch, heads, seq, head_dim)``."""
+def _validate(q, k, cos, sin, unsqueeze_dim, streams: bool = False) -> bool:
+    """Checks every argument; returns whether ``q``/``k`` are ``(batch, heads, seq, head_dim)``.
+    With ``streams`` the tables' first dim is their position streams (multimodal RoPE) and the
+    rest is checked as a table (no per-stream view is made: host time)."""
     for t, name in ((q, "q"), (k, "k"), (cos, "cos"), (sin, "sin")):
         check_float(t, name)
-    if cos.dim() not in _COS_LAYOUTS:
+    table = cos.shape[1:] if streams else cos.shape
+    if len(table) not in _COS_LAYOUTS:
         raise ValueError(f"cos must be 2-D {_COS_LAYOUTS[2]} or 3-D {_COS_LAYOUTS[3]}, "
-                         f"got shape {tuple(cos.shape)}")
-    heads_first = _heads_first(cos, unsqueeze_dim)
+                         f"got shape {tuple(table)}")
+    heads_first = _heads_first(len(table), unsqueeze_dim)
     layout = _LAYOUTS[heads_first]
     for t, name in ((q, "q"), (k, "k")):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim} and "
-                             f"{cos.dim()}-D cos, got shape {tuple(t.shape)}")
+                             f"{len(table)}-D cos, got shape {tuple(t.shape)}")
     for t, name in ((k, "k"), (cos, "cos"), (sin, "sin")):
         check_same_device(t, name, q, "q")
     batch, seq, _, head_dim = _bshd(q, heads_first)
@@ -609,13 +646,13 @@ def _validate(q, k, cos, sin, unsqueeze_dim) -> bool:
         )
     if sin.shape != cos.shape:
         raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
-    cos_batch = cos.shape[0] if cos.dim() == 3 else 1
-    if cos_batch not in (1, batch) or cos.shape[-2] not in (1, seq):
+    cos_batch = table[0] if len(table) == 3 else 1
+    if cos_batch not in (1, batch) or table[-2] not in (1, seq):
         raise ValueError(
-            f"cos must have shape {_COS_LAYOUTS[cos.dim()]} with batch {batch} and seq {seq} for q "
-            f"{tuple(q.shape)} in the {layout} layout, got {tuple(cos.shape)}"
+            f"cos must have shape {_COS_LAYOUTS[len(table)]} with batch {batch} and seq {seq} for q "
+            f"{tuple(q.shape)} in the {layout} layout, got {tuple(table)}"
         )
-    rotary_dim = cos.shape[-1]
+    rotary_dim = table[-1]
     if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
         raise ValueError(
             f"cos's last dimension (the rotary dim) must be even and in [2, head_dim={head_dim}], "
