@@ -19,7 +19,8 @@ BASE_SHAPE = {"cpu": (2, 7, 300), "gpu": (8, 1024, 4096)}[SCALE]
 TILED_COLS = {"cpu": 300, "gpu": 65536}[SCALE]
 TILED_DTYPES = {"cpu": [torch.bfloat16], "gpu": [torch.float32, torch.bfloat16]}[SCALE]
 WIDE_ROWS = {"cpu": 1, "gpu": 256}[SCALE]
-WIDE_COLS = {"cpu": 40000, "gpu": 151936}[SCALE]
+# Rows of one wide GPU tile (up to 32768 columns) and of several.
+WIDE_COLS = {"cpu": [20000, 40000], "gpu": [32000, 151936]}[SCALE]
 
 
 def check(x, dim=-1, std=1.0):
@@ -55,14 +56,20 @@ def test_column_tiled_path(profile, device, onchip_bytes, dtype):
     check(randn(3, 3, TILED_COLS, dtype=dtype, device=device, std=4.0))
 
 
+@pytest.mark.parametrize("cols", WIDE_COLS)
 @pytest.mark.parametrize("name", ["h100", "ascend910b4"])
-def test_vocab_row_on_profiles(monkeypatch, device, name):
-    """A vocabulary-wide row (Qwen's 151936 on the GPU; on the CPU one too wide for one tile of
-    either profile) plans and runs under a GPU and an Ascend profile."""
+def test_vocab_row_on_profiles(monkeypatch, device, name, cols):
+    """Vocabulary-wide rows (Mistral's 32000 and Qwen's 151936 on the GPU; on the CPU rows too wide
+    for one planned tile of either profile) plan and run under a GPU and an Ascend profile: on the
+    GPU one wide tile of 32768 columns, or several."""
     monkeypatch.setenv("ONCA_DEVICE_PROFILE", name)
     onca_device.reset()
     try:
-        check(randn(WIDE_ROWS, WIDE_COLS, dtype=torch.bfloat16, device=device, std=3.0))
+        plans = op.plan((WIDE_ROWS, cols), torch.bfloat16)
+        if name == "h100":
+            assert all(p.block_cols == 32768 and p.num_warps == 32 and p.col_tiles == -(-cols // 32768)
+                       for p in plans.values())
+        check(randn(WIDE_ROWS, cols, dtype=torch.bfloat16, device=device, std=3.0))
     finally:
         onca_device.reset()
 

@@ -21,25 +21,35 @@ from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import Op, custom_op, register_autograd
 from onca.ops._launch import row_launch
 from onca.ops._rows import rows_cols, rows_in_place
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
-__all__ = ["TWO_PASS_ELEMENTS_PER_THREAD", "plan_two_pass", "plans", "register_row_map"]
+__all__ = ["GPU_WIDE_ROW_COLS", "TWO_PASS_ELEMENTS_PER_THREAD", "plan_two_pass", "plans", "register_row_map"]
 
 # A two-pass (column-tiled) row keeps at most this many elements of a tile per thread of the widest
 # program on a GPU: the loops over the tiles pipeline their loads, and at 16 per thread (8192-wide
 # tiles) the backward kernels spill on sm_90 (tools/sm90_compile.py); at 8 they do not.
 TWO_PASS_ELEMENTS_PER_THREAD = 8
 
+# The GPU tile of a row too wide for one planned tile in an op that declares ``gpu_wide_rows``:
+# this many columns in a 32-warp program (32 elements per thread), so that a row of up to this many
+# columns is read once and a wider one in tiles this wide. Softmax, H100, bf16: see its tiles.
+GPU_WIDE_ROW_COLS = 32768
+
 
 def plan_two_pass(rows: int, cols: int, dtype: torch.dtype, tiles: dict,
                   profile: DeviceProfile | None = None) -> RowPlan:
     """``plan_rows`` for a row kernel with a single-tile path and a two-pass column-tiled path: on
     a GPU the column tiles are capped at ``TWO_PASS_ELEMENTS_PER_THREAD`` elements per thread of a
-    ``max_warps`` program."""
+    ``max_warps`` program, or, where ``tiles`` declares ``gpu_wide_rows=True``, are
+    ``GPU_WIDE_ROW_COLS`` wide (one tile when the row fits it). Other profiles ignore the key."""
     profile = profile or get_profile()
+    wide = tiles.get("gpu_wide_rows", False)
+    tiles = {key: value for key, value in tiles.items() if key != "gpu_wide_rows"}
     p = plan_rows(rows, cols, dtype, profile=profile, **tiles)
     if p.col_tiles == 1 or profile.kind != "cuda":
         return p
+    if wide:
+        return _wide_row_plan(p)
     cap = profile.max_warps * 32 * TWO_PASS_ELEMENTS_PER_THREAD
     if p.block_cols > cap:
         # The planner halves the widest block for a two-pass row: ask for twice the cap.
@@ -47,6 +57,18 @@ def plan_two_pass(rows: int, cols: int, dtype: torch.dtype, tiles: dict,
     wanted = p.block_rows * p.block_cols // (32 * TWO_PASS_ELEMENTS_PER_THREAD)
     warps = max(p.num_warps, min(profile.max_warps, wanted))
     return p if warps == p.num_warps else dataclasses.replace(p, num_warps=warps)
+
+
+def _wide_row_plan(p: RowPlan) -> RowPlan:
+    """``p`` (a GPU plan of rows too wide for one tile) with one row per ``GPU_WIDE_ROW_COLS``-wide
+    tile in a 32-warp program, one program per row (or ``p``'s persistent grid)."""
+    block_cols = min(next_power_of_2(p.cols), GPU_WIDE_ROW_COLS)
+    bytes_per_col = p.tile_bytes // (p.block_rows * p.block_cols)
+    return dataclasses.replace(
+        p, block_rows=1, block_cols=block_cols, col_tiles=-(-p.cols // block_cols), row_blocks=p.rows,
+        grid=min(p.grid, p.rows) if p.persistent else p.rows, num_warps=32,
+        tile_bytes=bytes_per_col * block_cols,
+    )
 
 
 def plans(shape, dtype: torch.dtype, forward_tiles: dict, backward_tiles: dict,

@@ -33,11 +33,15 @@ from onca.tiling import RowPlan
 __all__ = ["plan", "softmax"]
 
 # Live tiles (input dtype; fp32). Forward: x and y; x and exp(x - m) in fp32. Backward: dy, y and
-# dx; their fp32 forms. A row too wide for one tile takes a whole-budget GPU tile (the planner's
-# gpu_whole_two_pass): H100, bf16, forward + backward, 0.72 -> 0.56 ms at 8192 x 32000, 2.92 -> 2.90
-# at 8192 x 128256.
-FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2, gpu_whole_two_pass=True)
-BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3, gpu_whole_two_pass=True)
+# dx; their fp32 forms. A row too wide for one planned tile takes the row map's wide GPU tile
+# (gpu_wide_rows: 32768 columns in 32 warps), timed on an H100 (bf16, forward + backward, CUDA-graph
+# replay, kernels launched directly) against the whole-budget two-pass tile (8192 columns, 16
+# warps) and liger-kernel: 1.048 -> 0.936 ms at 8192 x 32000 (liger 0.886: its forward alone is
+# faster there, 16384-column tiles were 0.384 ms against 0.399), 2.833 -> 2.272 ms at 8192 x 65536
+# (liger 2.417), 1.428 -> 1.140 at 4096 x 65536 (liger 1.215); 16384-column tiles in 32 warps
+# were between the two.
+FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2, gpu_wide_rows=True)
+BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3, gpu_wide_rows=True)
 
 
 # ----------------------------------------------------------------------------------------- kernels
