@@ -74,6 +74,21 @@ def test_vocab_row_on_profiles(monkeypatch, device, name, cols):
         onca_device.reset()
 
 
+def test_programs_loop_over_row_blocks(monkeypatch, device):
+    """A persistent grid (Ascend's: one program per vector core) smaller than the row blocks: each
+    program loops over several (the kernels' ONE_ROW_BLOCK off); the GPU's grid covers them."""
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "ascend910b4")
+    onca_device.reset()
+    try:
+        plans = op.plan((333, 300), torch.float32)
+        assert all(p.grid < p.row_blocks for p in plans.values())
+        check(randn(333, 300, device=device, std=2.0))
+    finally:
+        onca_device.reset()
+    gpu = op.plan((333, 300), torch.float32, onca_device.profile_named("h100"))
+    assert all(p.grid >= p.row_blocks for p in gpu.values())
+
+
 @pytest.mark.parametrize("how", ["rows", "cols"])
 def test_non_contiguous(device, how):
     check(non_contiguous(randn(*BASE_SHAPE, device=device), how))

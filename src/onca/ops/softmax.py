@@ -47,6 +47,19 @@ BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3, gpu_wide_rows=True)
 # ----------------------------------------------------------------------------------------- kernels
 
 
+@triton.jit
+def _row_blocks_end(pid, n_rows, BLOCK_ROWS: tl.constexpr, ONE_ROW_BLOCK: tl.constexpr):
+    """The end of program ``pid``'s loop over row blocks. With one block per program (the grid
+    covers them) it is ``pid + 1``, a loop the compiler sees run once: the 32768-column tile in 32
+    warps ran its forward in 0.373 ms instead of 0.398 at 8192 x 32000 on an H100 (liger-kernel's
+    loop-free kernel 0.370); tiles of 4096 and 1024 columns timed the same either way."""
+    if ONE_ROW_BLOCK:
+        end = pid + 1
+    else:
+        end = tl.cdiv(n_rows, BLOCK_ROWS)
+    return end
+
+
 @fast_launch
 @triton.jit
 def _softmax_forward_kernel(
@@ -54,12 +67,12 @@ def _softmax_forward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    ONE_ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, n_programs):
+    for row_block in tl.range(pid, _row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
@@ -99,12 +112,12 @@ def _softmax_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    ONE_ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, n_programs):
+    for row_block in tl.range(pid, _row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
