@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onca.ops._partials import sum_partials
+from onca.ops._partials import sum_partials, sum_scaled
 from tests.helpers import assert_close
 
 
@@ -32,3 +32,18 @@ def test_sum_partials_sums_each_plane_into_its_own_dtype(profile, device, planes
 def test_sum_partials_wants_a_dtype_per_plane(device):
     with pytest.raises(ValueError, match="3 planes but 2 dtypes"):
         sum_partials(torch.zeros(3, 4, 8, device=device), [torch.float32] * 2)
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 1024, 3001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sum_scaled_matches_torch(profile, device, n, dtype):
+    """A loss summed over rows, times a host scale and a device factor, in one launch: torch's
+    value (a sum over nothing is 0, times a NaN scale NaN), the same bits every time."""
+    values = torch.randn(n, device=device)
+    factor = torch.tensor([0.25], device=device)
+    got = sum_scaled(values, dtype, 3.0, factor)
+    assert got.shape == () and got.dtype == dtype
+    assert_close(got, values.double().sum() * 0.75, dtype, "loss")
+    assert torch.equal(got, sum_scaled(values, dtype, 3.0, factor))
+    assert_close(sum_scaled(values, dtype), values.double().sum(), dtype, "sum")
+    assert torch.isnan(sum_scaled(values[:0], dtype, float("nan")))

@@ -13,6 +13,10 @@ at medium sizes.
 
 At host-bound sizes (a few rows) the zero fill and the summing launch cost more than the work:
 there one program reduces every row and stores the gradient itself (``DIRECT``), one launch in all.
+
+A loss summed over rows (:func:`sum_scaled`) is one launch too: the row losses added in a fixed
+order, times the reduction's scale, stored in the loss's dtype, where torch's ``sum``, the
+multiplication and the cast were three kernels (and three host-path steps).
 """
 
 from __future__ import annotations
@@ -130,3 +134,33 @@ def _sum_planes(src: torch.Tensor, totals: list, p) -> None:
     _sum_partials_kernel[(p.col_tiles, len(totals))](src, totals[0], totals[-1], n_rows, n_cols,
                                                      BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
                                                      num_warps=p.num_warps)
+
+
+# Elements of a loss's row values added per step by the one program of ``sum_scaled``.
+_SUM_BLOCK = 1024
+
+
+@fast_launch
+@triton.jit
+def _sum_scaled_kernel(src_ptr, factor_ptr, out_ptr, n, scale, HAS_FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        idx = start + offsets
+        acc += tl.load(src_ptr + idx, mask=idx < n, other=0.0)
+    total = tl.sum(acc, axis=0) * scale
+    if HAS_FACTOR:
+        total = total * tl.load(factor_ptr)
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+
+
+def sum_scaled(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0,
+               factor: torch.Tensor | None = None) -> torch.Tensor:
+    """``values.sum() * scale * factor[0]`` as a 0-d ``dtype`` tensor, in one launch: one program
+    adds the contiguous 1-D fp32 ``values`` in a fixed order (deterministic), in fp32. ``factor`` is
+    a one-element fp32 device tensor (a token count's reciprocal: no host sync). A sum over nothing
+    is 0 (times a NaN scale, NaN, as torch's mean over nothing)."""
+    out = torch.empty((), dtype=dtype, device=values.device)
+    _sum_scaled_kernel[(1,)](values, values if factor is None else factor, out, values.numel(), float(scale),
+                             HAS_FACTOR=factor is not None, BLOCK=_SUM_BLOCK, num_warps=4)
+    return out

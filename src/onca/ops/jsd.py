@@ -55,6 +55,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
+from onca.ops._partials import sum_scaled
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import (
     check_bool,
@@ -338,7 +339,7 @@ def token_scale(labels, rows: int, ignore_index: int, reduction: str, device) ->
 def _reduce(row_loss: Tensor, scale: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
     if reduction == "none":
         return row_loss.to(dtype)
-    return (row_loss.sum() * scale[0]).to(dtype)
+    return sum_scaled(row_loss, dtype, factor=scale)
 
 
 @custom_op("jsd_forward")
@@ -353,8 +354,10 @@ def jsd_forward(input: Tensor, target: Tensor, labels: Tensor | None, beta: floa
     if precompute_grad and reduction != "none":
         dx = torch.empty((rows, cols), dtype=input.dtype, device=input.device)
     scale = token_scale(labels, rows, ignore_index, reduction, input.device)
-    row_loss = torch.zeros(rows, dtype=torch.float32, device=input.device)
-    if input.numel() > 0:
+    # The kernel stores every row's loss; rows of no columns have none.
+    empty = input.numel() == 0
+    row_loss = (torch.zeros if empty else torch.empty)(rows, dtype=torch.float32, device=input.device)
+    if not empty:
         jsd_rows(input, target, labels, scale, dx, row_loss, beta, ignore_index, temperature, normalize)
     return _reduce(row_loss, scale, reduction, input.dtype), dx if dx is not None else input.new_empty(0)
 

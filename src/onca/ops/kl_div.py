@@ -46,6 +46,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
+from onca.ops._partials import sum_scaled
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
@@ -206,12 +207,13 @@ def kl_div_forward(input: Tensor, target: Tensor, reduction: str, log_target: bo
             _launch(p, input, target, None, loss, dx, None, scale, log_target,
                     _LOSS_ELEMENTWISE, _G_CONST)
     else:
-        # A sum over nothing is 0; times the scale, a mean over nothing is NaN, as in torch.
-        row_sums = torch.zeros(rows, dtype=torch.float32, device=input.device)
+        # The kernel stores every row's sum; rows of no columns sum to 0 (times the scale, a mean
+        # over nothing is NaN, as in torch).
+        row_sums = (torch.zeros if empty else torch.empty)(rows, dtype=torch.float32, device=input.device)
         if not empty:
             _launch(p, input, target, None, row_sums, dx, None, scale, log_target,
                     _LOSS_ROW_SUMS, _G_CONST)
-        loss = (row_sums.sum() * scale).to(out_dtype)
+        loss = sum_scaled(row_sums, out_dtype, scale)
     return loss, dx if dx is not None else input.new_empty(0)
 
 

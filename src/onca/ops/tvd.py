@@ -49,6 +49,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
+from onca.ops._partials import sum_scaled
 from onca.ops._rows import as_rows, rows_cols
 from onca.ops._validate import check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
@@ -198,11 +199,12 @@ def tvd_forward(input: Tensor, target: Tensor, shift_labels: Tensor | None, redu
             _launch(FORWARD_TILES, input, target, shift_labels, factor, const, ignore_index, loss,
                     _LOSS_ELEMENTWISE, None, None)
         return loss, input.new_empty(0)
-    row_sums = torch.zeros(rows, dtype=torch.float32, device=device)
+    # The kernel stores every row's sum; rows of no columns sum to 0.
+    row_sums = (torch.zeros if empty else torch.empty)(rows, dtype=torch.float32, device=device)
     if not empty:
         _launch(FORWARD_TILES, input, target, shift_labels, factor, const, ignore_index, row_sums,
                 _LOSS_ROW_SUMS, dp, None)
-    loss = row_sums.sum() * (factor[0] * const)
+    loss = sum_scaled(row_sums, torch.float32, const, factor)
     return loss, dp if dp is not None else input.new_empty(0)
 
 
