@@ -24,6 +24,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._launch import fast_launch
+from onca.ops._partials import row_blocks_end
 from onca.ops._row_map import plans, register_row_map
 from onca.ops._rows import moved_back, moved_last
 from onca.ops._validate import check_dim, check_float
@@ -47,19 +48,6 @@ BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3, gpu_wide_rows=True)
 # ----------------------------------------------------------------------------------------- kernels
 
 
-@triton.jit
-def _row_blocks_end(pid, n_rows, BLOCK_ROWS: tl.constexpr, ONE_ROW_BLOCK: tl.constexpr):
-    """The end of program ``pid``'s loop over row blocks. With one block per program (the grid
-    covers them) it is ``pid + 1``, a loop the compiler sees run once: the 32768-column tile in 32
-    warps ran its forward in 0.373 ms instead of 0.398 at 8192 x 32000 on an H100 (liger-kernel's
-    loop-free kernel 0.370); tiles of 4096 and 1024 columns timed the same either way."""
-    if ONE_ROW_BLOCK:
-        end = pid + 1
-    else:
-        end = tl.cdiv(n_rows, BLOCK_ROWS)
-    return end
-
-
 @fast_launch
 @triton.jit
 def _softmax_forward_kernel(
@@ -72,7 +60,7 @@ def _softmax_forward_kernel(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, _row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
+    for row_block in tl.range(pid, row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
@@ -117,7 +105,7 @@ def _softmax_backward_kernel(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, _row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
+    for row_block in tl.range(pid, row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
