@@ -76,7 +76,7 @@ def test_vocab_row_on_profiles(monkeypatch, device, name, cols):
 
 def test_programs_loop_over_row_blocks(monkeypatch, device):
     """A persistent grid (Ascend's: one program per vector core) smaller than the row blocks: each
-    program loops over several (the kernels' ONE_ROW_BLOCK off); the GPU's grid covers them."""
+    program loops over several; the GPU's grid covers them."""
     monkeypatch.setenv("ONCA_DEVICE_PROFILE", "ascend910b4")
     onca_device.reset()
     try:

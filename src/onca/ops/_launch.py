@@ -79,17 +79,14 @@ def row_launch(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, co
     """``(grid, keyword arguments, plan)`` of a launch of the row kernel ``kernel`` over ``rows x
     cols`` of ``dtype``: the plan ``plan(rows, cols, dtype, tiles)`` (default: ``plan_rows`` with
     the kernel's tile counts) as the constexprs ``BLOCK_ROWS``, ``BLOCK_COLS`` and ``COL_TILES`` and
-    its ``num_warps``, beside ``constexprs``; and ``ONE_ROW_BLOCK`` (whether every program has at
-    most one row block: the grid covers them) for a kernel that declares it. Kept by
-    :func:`launch_config`, for the device profile in force."""
+    its ``num_warps``, beside ``constexprs``. Kept by :func:`launch_config`, for the device profile
+    in force."""
     key = (kernel, plan, rows, cols, dtype, get_profile(), tuple(tiles.items()), tuple(constexprs.items()))
 
     def make():
         p = plan(rows, cols, dtype, tiles)
         kwargs = {**constexprs, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
                   "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
-        if "ONE_ROW_BLOCK" in kernel.arg_names:
-            kwargs["ONE_ROW_BLOCK"] = p.grid >= p.row_blocks
         return (p.grid,), kwargs, p
 
     return launch_config(key, make)

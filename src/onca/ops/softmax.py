@@ -24,7 +24,6 @@ from torch import Tensor
 
 from onca.device import DeviceProfile
 from onca.ops._launch import fast_launch
-from onca.ops._partials import row_blocks_end
 from onca.ops._row_map import plans, register_row_map
 from onca.ops._rows import moved_back, moved_last
 from onca.ops._validate import check_dim, check_float
@@ -55,12 +54,12 @@ def _softmax_forward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
-    ONE_ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
@@ -100,12 +99,12 @@ def _softmax_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
-    ONE_ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, row_blocks_end(pid, n_rows, BLOCK_ROWS, ONE_ROW_BLOCK), n_programs):
+    for row_block in tl.range(pid, n_row_blocks, n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
