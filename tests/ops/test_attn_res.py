@@ -33,6 +33,13 @@ def reference(v, w_query, w_norm, eps=1e-6):
     return h, (v64, wq64, wn64)
 
 
+def reference_scores(v, w_query, w_norm, eps=1e-6):
+    """The scores ``<w_query, K>`` in float64, shape ``V.shape[:-1]``."""
+    v64 = v.to(torch.float64)
+    k = v64 * torch.rsqrt(v64.pow(2).mean(-1, keepdim=True) + eps) * w_norm.to(torch.float64)
+    return (k * w_query.to(torch.float64)).sum(-1)
+
+
 def make(shape, dtype, device, w_dtype=None, query_std=0.3):
     # Layers of different scales, as the outputs of a residual stack are.
     scales = torch.rand(shape[0], *([1] * (len(shape) - 1)), device=device) * 3 + 0.1
@@ -127,9 +134,19 @@ def test_widest_hidden_on_every_profile(monkeypatch, device, name):
 
 
 def test_peaked_softmax_is_stable(device):
-    """Scores in the hundreds: the softmax must not overflow (running max in the forward)."""
+    """Scores of ten thousand and more: the softmax must not overflow (running max in the forward).
+
+    Slab 0 leans along ``u = w_query * w_norm``, so its score leads every other one by far more than
+    fp32's error in a score (exp(-50) and less): alpha is one-hot in every row. Large random scores
+    alone would leave, over thousands of rows, near ties whose gradients no fp32 kernel can match to
+    the fp64 reference within fp32's tolerance (the softmax itself is that ill-conditioned there)."""
     v, w_query, w_norm = make(BASE, torch.float32, device, query_std=40.0)
+    u = w_query * w_norm
+    v[0] += 3.0 * u / u.pow(2).mean().sqrt()
     ref, _ = reference(v, w_query, w_norm)
+    scores = reference_scores(v, w_query, w_norm)
+    top2 = scores.topk(2, dim=0).values
+    assert top2[0].min() > 500 and (top2[0] - top2[1]).min() > 50  # peaked, and far from a tie
     check(v, w_query, w_norm)
     assert ref.abs().max() > 0
 
