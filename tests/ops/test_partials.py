@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onca.ops._partials import sum_partials, sum_scaled
+from onca.ops._partials import sum_partials, sum_partials_times, sum_scaled
 from tests.helpers import assert_close
 
 
@@ -32,6 +32,22 @@ def test_sum_partials_sums_each_plane_into_its_own_dtype(profile, device, planes
 def test_sum_partials_wants_a_dtype_per_plane(device):
     with pytest.raises(ValueError, match="3 planes but 2 dtypes"):
         sum_partials(torch.zeros(3, 4, 8, device=device), [torch.float32] * 2)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (264, 4096), (40, 33)])
+def test_sum_partials_times_scales_one_sum_twice(profile, device, shape):
+    """One sum, two products with their own vectors and dtypes (attention residuals' two weight
+    gradients): each equals the fp32 sum times its vector, rounded once; the sum is the one
+    sum_partials computes, bit for bit."""
+    partials = torch.randn(*shape, device=device)
+    first = torch.randn(shape[1], device=device).to(torch.bfloat16)
+    second = torch.randn(shape[1], device=device)
+    a, b = sum_partials_times(partials, (first, second), (torch.float32, torch.bfloat16))
+    assert (a.dtype, b.dtype) == (torch.float32, torch.bfloat16)
+    total = sum_partials(partials)
+    assert torch.equal(a, total * first.float())
+    assert torch.equal(b, (total * second).to(torch.bfloat16))
+    assert_close(a, partials.double().sum(0) * first.double(), torch.float32, "scaled sum")
 
 
 @pytest.mark.parametrize("n", [0, 1, 1000, 1024, 3001])

@@ -32,11 +32,13 @@ from onca.tiling import plan_rows
 
 @fast_launch
 @triton.jit
-def _sum_partials_kernel(src_ptr, dst_ptr, second_dst_ptr, n_rows, n_cols,
-                         BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    # Axis 1 of the grid is the plane: the buffer's first (dst_ptr) or second (second_dst_ptr).
+def _sum_partials_kernel(src_ptr, dst_ptr, second_dst_ptr, scale_ptr, second_scale_ptr, n_rows, n_cols,
+                         plane_stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                         SCALED: tl.constexpr):
+    # Axis 1 of the grid is the plane: the buffer's first (dst_ptr) or second (second_dst_ptr),
+    # ``plane_stride`` elements apart (0: both sums are of one plane, times their own scales).
     plane = tl.program_id(1)
-    src_ptr += plane.to(tl.int64) * n_rows * n_cols
+    src_ptr += plane.to(tl.int64) * plane_stride
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
     acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
@@ -46,8 +48,12 @@ def _sum_partials_kernel(src_ptr, dst_ptr, second_dst_ptr, n_rows, n_cols,
         acc += tl.load(src_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
     if plane == 0:
+        if SCALED:
+            total = total * tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         tl.store(dst_ptr + cols, total.to(dst_ptr.dtype.element_ty), mask=col_mask)
     else:
+        if SCALED:
+            total = total * tl.load(second_scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         tl.store(second_dst_ptr + cols, total.to(second_dst_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -106,33 +112,52 @@ def accumulate_partial(row_ptr, cols, values, mask, DIRECT: tl.constexpr):
         tl.atomic_add(row_ptr + cols, values, mask=mask, sem="relaxed")
 
 
+def _sum_plan(n_rows: int, n_cols: int):
+    # Column tiles of at least 32 fp32 (128 bytes, whole memory transactions), enough of them to
+    # spread over the compute units.
+    units = get_profile().compute_units
+    return plan_rows(n_rows, n_cols, torch.float32, live_tiles=2, max_block_cols=max(32, n_cols // units))
+
+
 def sum_partials(partials: torch.Tensor, dtype=torch.float32):
     """Sum a contiguous fp32 ``(programs, cols)`` buffer over its rows, stored in ``dtype``.
 
     A ``(planes, programs, cols)`` buffer is summed plane by plane, two planes per launch, ``dtype``
     then being a sequence of one dtype per plane: the list of sums is returned."""
     n_rows, n_cols = partials.shape[-2], partials.shape[-1]
-    # Column tiles of at least 32 fp32 (128 bytes, whole memory transactions), enough of them to
-    # spread over the compute units.
-    units = get_profile().compute_units
-    p = plan_rows(n_rows, n_cols, torch.float32, live_tiles=2, max_block_cols=max(32, n_cols // units))
+    p = _sum_plan(n_rows, n_cols)
     if partials.dim() == 2:
         total = torch.empty(n_cols, dtype=dtype, device=partials.device)
-        _sum_planes(partials, [total], p)
+        _sum_planes(partials, [total], p, 0, None)
         return total
     if len(dtype) != partials.shape[0]:
         raise ValueError(f"sum_partials: {partials.shape[0]} planes but {len(dtype)} dtypes")
     totals = [torch.empty(n_cols, dtype=d, device=partials.device) for d in dtype]
     for first in range(0, len(totals), 2):
-        _sum_planes(partials if first == 0 else partials[first], totals[first:first + 2], p)
+        _sum_planes(partials if first == 0 else partials[first], totals[first:first + 2], p, n_rows * n_cols, None)
     return totals
 
 
-def _sum_planes(src: torch.Tensor, totals: list, p) -> None:
-    """One launch: the sums of ``src``'s first ``len(totals)`` planes (one or two) into ``totals``."""
+def sum_partials_times(partials: torch.Tensor, scales: tuple, dtypes: tuple) -> tuple:
+    """``(sum * scales[0], sum * scales[1])`` in ``dtypes``, ``sum`` being a contiguous fp32
+    ``(programs, cols)`` buffer summed over its rows (in :func:`sum_partials`' fixed order), in fp32,
+    and ``scales`` two ``(cols,)`` tensors: one launch for two gradients that are one reduction times
+    two vectors (attention residuals' ``dw_query = w_norm * G``, ``dw_norm = w_query * G``), where
+    torch's sum, casts and products were six kernels."""
+    n_rows, n_cols = partials.shape
+    totals = [torch.empty(n_cols, dtype=d, device=partials.device) for d in dtypes]
+    _sum_planes(partials, totals, _sum_plan(n_rows, n_cols), 0, scales)
+    return tuple(totals)
+
+
+def _sum_planes(src: torch.Tensor, totals: list, p, plane_stride: int, scales) -> None:
+    """One launch: the sums of ``src``'s first ``len(totals)`` planes (one or two, ``plane_stride``
+    elements apart) into ``totals``, each times its ``scales`` vector where they are given."""
     n_rows, n_cols = src.shape[-2], src.shape[-1]
-    _sum_partials_kernel[(p.col_tiles, len(totals))](src, totals[0], totals[-1], n_rows, n_cols,
-                                                     BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
+    scale, second_scale = (src, src) if scales is None else scales
+    _sum_partials_kernel[(p.col_tiles, len(totals))](src, totals[0], totals[-1], scale, second_scale, n_rows,
+                                                     n_cols, plane_stride, BLOCK_ROWS=p.block_rows,
+                                                     BLOCK_COLS=p.block_cols, SCALED=scales is not None,
                                                      num_warps=p.num_warps)
 
 

@@ -36,8 +36,10 @@ is used, in every sweep that reads ``V`` from memory) is on chip, and any ``N`` 
   forward's first sweep collects the scores, its second writes ``h``.
 
 ``G`` is reduced deterministically: each program of the (persistent) backward grid sums its rows into
-its own row of an fp32 partial buffer, summed once at the end. Saved for backward: ``V`` and the two
-weights only; ``rstd``, the scores and ``alpha`` are recomputed (the backward reads ``V`` anyway).
+its own row of an fp32 partial buffer, summed once at the end by one launch that also multiplies
+the sum by ``w_norm`` and by ``w_query`` and stores both weight gradients. Saved for backward: ``V``
+and the two weights only; ``rstd``, the scores and ``alpha`` are recomputed (the backward reads
+``V`` anyway).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from torch import Tensor
 
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
+from onca.ops._partials import sum_partials_times
 from onca.ops._rows import rows_cols
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
@@ -408,8 +411,9 @@ def attn_res_backward(dh: Tensor, v: Tensor, w_query: Tensor, w_norm: Tensor,
         return dv, torch.zeros_like(w_query), torch.zeros_like(w_norm)
     offsets_64 = _needs_offsets_64(rows, cols, v.stride(1), dh.stride(0), cols)
     p = _plans(rows, cols, v.dtype, offsets_64)["backward"]
-    # Zeroed because the D-tiled path accumulates into it; the single-pass path overwrites it.
-    g_partial = torch.zeros((p.grid, cols), dtype=torch.float32, device=v.device)
+    # The D-tiled path accumulates into it (zeroed first); the single-pass path writes every row whole.
+    g_partial = (torch.zeros if p.col_tiles > 1 else torch.empty)((p.grid, cols), dtype=torch.float32,
+                                                                  device=v.device)
     _attn_res_backward_kernel[(p.grid,)](
         v, w_query, w_norm, dh, dv, g_partial,
         n_slabs, rows, cols, v.stride(0), v.stride(1), dh.stride(0), dv.stride(0), dv.stride(1), eps,
@@ -417,9 +421,7 @@ def attn_res_backward(dh: Tensor, v: Tensor, w_query: Tensor, w_norm: Tensor,
         N_PAD=_n_pad(n_slabs, p, True), OFFSETS_64=offsets_64, SAME_ROWS=v.stride(1) == dv.stride(1),
         num_warps=p.num_warps,
     )
-    g = g_partial.sum(dim=0)
-    dw_query = (w_norm.to(torch.float32) * g).to(w_query.dtype)
-    dw_norm = (w_query.to(torch.float32) * g).to(w_norm.dtype)
+    dw_query, dw_norm = sum_partials_times(g_partial, (w_norm, w_query), (w_query.dtype, w_norm.dtype))
     return dv, dw_query, dw_norm
 
 
