@@ -17,7 +17,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from onca.ops import _launch
-from onca.ops._launch import FastLaunch, specialization_key
+from onca.ops._launch import FastLaunch, prepared_key, specialization_key
 
 
 def _sample(x_ptr, y_ptr, n, stride, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 2):
@@ -144,6 +144,35 @@ def test_specializations_triton_cannot_share_are_launched_apart(cuda_like):
     kernel[(1,)](aligned, aligned, 1, 16, 1.0, True, BLOCK=64)
     assert len(kernel._compiled) == 3
     assert len(kernel.fn.device_caches[0][0]) == 3  # and Triton compiled three kernels for them
+
+
+def test_prepared_launch_passes_what_triton_passes(cuda_like):
+    """A launch with its scalars and keyword arguments keyed once (launch_prepared) hands the
+    compiled kernel what an ordinary launch hands it, and compiles apart what Triton specializes
+    apart: the tensors' dtypes and alignments (keyed per launch), the scalars' values (keyed in the
+    prepared key)."""
+    launches = cuda_like
+    kernel = FastLaunch(JITFunction(_sample))
+    tensors = _tensors()
+    x, y, unaligned = tensors[0], tensors[5], tensors[1]
+    for pair, scalars, kwargs in (((x, y), (7, 32, 0.25, False), {"BLOCK": 64, "num_warps": 4}),
+                                  ((unaligned, y), (7, 32, 0.25, False), {"BLOCK": 64, "num_warps": 4}),
+                                  ((x, y), (1, 32, 0.25, False), {"BLOCK": 64, "num_warps": 4}),
+                                  ((x, y), (7, 32, 0.25, False), {"BLOCK": 128, "num_warps": 4})):
+        launches.clear()
+        key = prepared_key(scalars, kwargs)
+        kernel.launch_prepared((3,), pair, scalars, kwargs, key)  # compiles, through Triton
+        kernel.launch_prepared((3,), pair, scalars, kwargs, key)  # direct
+        kernel[(3,)](*pair, *scalars, **kwargs)  # an ordinary launch of the same arguments
+        through_triton, direct, ordinary = launches
+        assert direct[:6] == through_triton[:6] and direct[9:] == through_triton[9:] == ordinary[9:]
+        assert direct[6:9] == (None, None, None)
+    assert len(kernel._prepared) == 4 and len(kernel.fn.device_caches[0][0]) == 4
+    # A tensor among the scalars is never keyed ahead (its address changes): Triton's path.
+    assert prepared_key((x, 3), {"BLOCK": 64}) is None
+    calls = len(launches)
+    kernel.launch_prepared((1,), (x,), (y, 7, 32, 0.25, False), {"BLOCK": 64}, None)
+    assert len(launches) == calls + 1
 
 
 @pytest.mark.parametrize("case", ["callable grid", "unknown argument type", "launch hook", "constexpr by position",

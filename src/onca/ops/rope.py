@@ -52,7 +52,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd, tracing
-from onca.ops._launch import fast_launch, launch_config
+from onca.ops._launch import fast_launch, launch_config, prepared_key
 from onca.ops._validate import check_bool, check_float, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
@@ -448,22 +448,22 @@ def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: 
     key = (_rope_kernel, heads_first, backward, interleaved, mrope, sections, q_absent, k_absent,
            xq.shape, xq.stride(), yq.stride(), xk.shape, xk.stride(), yk.stride(), cos.shape,
            cos.stride(), sin.stride(), xq.dtype, xk.dtype, yq.dtype, yk.dtype, get_profile())
-    grid, scalars, constexprs = launch_config(key, lambda: _launch_config(
+    grid, scalars, constexprs, scalars_key = launch_config(key, lambda: _launch_config(
         xq, xk, cos, sin, yq, yk, heads_first, backward, interleaved, mrope, sections, q_absent, k_absent))
     if grid is not None:  # None: nothing to rotate, never a zero-size grid
-        _rope_kernel[grid](xq, xk, yq, yk, cos, sin, *scalars, **constexprs)
+        _rope_kernel.launch_prepared(grid, (xq, xk, yq, yk, cos, sin), scalars, constexprs, scalars_key)
 
 
 def _launch_config(xq, xk, cos, sin, yq, yk, heads_first, backward, interleaved, mrope, sections,
                    q_absent, k_absent):
-    """``(grid, scalar arguments, keyword constexprs)`` of :func:`_launch`'s kernel for these
-    layouts (the grid None when there is nothing to rotate). A multimodal table's pointer is its
+    """``(grid, scalar arguments, keyword constexprs, their prepared key)`` of :func:`_launch`'s
+    kernel for these layouts (the grid None when there is nothing to rotate). A multimodal table's pointer is its
     temporal stream's (index 0 of its first dim), so the table itself is passed."""
     batch, seq, _, head_dim = _bshd(xq, heads_first)
     hq = 0 if q_absent else _bshd(xq, heads_first)[2]
     hk = 0 if k_absent else _bshd(xk, heads_first)[2]
     if batch * seq == 0 or hq + hk == 0:
-        return None, (), {}
+        return None, (), {}, None
     cos_st, sin_st = (cos.stride(0), sin.stride(0)) if cos.dim() == 4 else (0, 0)
     cos3, sin3 = (cos[0], sin[0]) if cos.dim() == 4 else (cos, sin)
     dtype = _widest(xq.dtype, xk.dtype, yq.dtype, yk.dtype)
@@ -482,7 +482,7 @@ def _launch_config(xq, xk, cos, sin, yq, yk, heads_first, backward, interleaved,
         BLOCK_T=t.block_t, BLOCK_HQ=t.block_hq, BLOCK_HK=t.block_hk, BLOCK_J=t.block_j,
         BLOCK_P=t.block_p, num_warps=t.plan.num_warps,
     )
-    return (t.plan.grid,), scalars, constexprs
+    return (t.plan.grid,), scalars, constexprs, prepared_key(scalars, constexprs)
 
 
 def _rotate_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_dtype: torch.dtype,
