@@ -190,8 +190,8 @@ class FastLaunch:
         if runtime is None:
             return self.fn[grid](*args, **kwargs)
         device = runtime.current_device()
-        return self._run(runtime, device, self._compiled, specialization_key(device, args, kwargs), grid, args,
-                         kwargs)
+        key = specialization_key(device, args, kwargs)
+        return self._run(runtime, device, self._compiled, key, grid, args, kwargs)
 
     def launch_prepared(self, grid, tensors: tuple, scalars: tuple, kwargs: dict, scalars_key):
         """``kernel[grid](*tensors, *scalars, **kwargs)`` for a kernel whose arguments are ``tensors``

@@ -457,8 +457,8 @@ def _launch(xq: Tensor | None, xk: Tensor | None, cos: Tensor, sin: Tensor, yq: 
 def _launch_config(xq, xk, cos, sin, yq, yk, heads_first, backward, interleaved, mrope, sections,
                    q_absent, k_absent):
     """``(grid, scalar arguments, keyword constexprs, their prepared key)`` of :func:`_launch`'s
-    kernel for these layouts (the grid None when there is nothing to rotate). A multimodal table's pointer is its
-    temporal stream's (index 0 of its first dim), so the table itself is passed."""
+    kernel for these layouts (the grid None when there is nothing to rotate). A multimodal table's
+    pointer is its temporal stream's (index 0 of its first dim), so the table itself is passed."""
     batch, seq, _, head_dim = _bshd(xq, heads_first)
     hq = 0 if q_absent else _bshd(xq, heads_first)[2]
     hk = 0 if k_absent else _bshd(xk, heads_first)[2]
