@@ -266,6 +266,26 @@ def test_plans_fit_ascend_for_every_model(name, dtype):
         assert not op.plan((8, 1, 4096, 16384), dtype, profile)["backward"].single_pass
 
 
+def test_gpu_rows_plan(monkeypatch, device):
+    """A GPU's single-pass plan: one row per program; the backward on 4 programs per compute unit,
+    so that with more rows than that some programs loop (540 rows on the H100's 528 programs)."""
+    h100 = onca_device.profile_named("h100")
+    plans = op.plan((8, 1, 4096, 1024), torch.bfloat16, h100)
+    assert (plans["forward"].block_rows, plans["forward"].grid, plans["forward"].num_warps) == (1, 4096, 2)
+    assert (plans["backward"].block_rows, plans["backward"].grid, plans["backward"].num_warps) == (1, 528, 4)
+    assert op.plan((8, 1, 4096, 4096), torch.bfloat16, h100)["backward"].num_warps == 8
+    wide = op.plan((8, 1, 4096, 8192), torch.bfloat16, h100)["backward"]  # wider: the planner's tile
+    assert wide.block_rows > 1 or wide.grid != 528
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
+    onca_device.reset()
+    try:
+        shape = (3, 1, 540, 64) if SCALE == "cpu" else (8, 1, 540, 2048)
+        assert op.plan(shape, torch.bfloat16)["backward"].row_blocks_per_program == 2
+        check(*make(shape, torch.bfloat16, device))
+    finally:
+        onca_device.reset()
+
+
 def test_backward_plan_is_persistent(profile):
     """G's partial sums need a bounded grid: one buffer row per program, at most one per unit."""
     p = op.plan(BASE, torch.bfloat16, profile)["backward"]
