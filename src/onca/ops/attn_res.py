@@ -378,7 +378,8 @@ def _gpu_rows(p: RowPlan, kind: str, profile: DeviceProfile) -> RowPlan:
     if kind == "forward":
         grid, warps = p.rows, 2
     else:
-        grid, warps = min(p.rows, GPU_BACKWARD_PROGRAMS_PER_UNIT * profile.compute_units), 4 if p.cols <= 2048 else 8
+        grid = min(p.rows, GPU_BACKWARD_PROGRAMS_PER_UNIT * profile.compute_units)
+        warps = 4 if p.cols <= 2048 else 8
     return dataclasses.replace(p, block_rows=1, row_blocks=p.rows, grid=grid, num_warps=warps,
                                tile_bytes=p.tile_bytes // p.block_rows)
 
