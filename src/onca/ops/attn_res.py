@@ -76,7 +76,6 @@ ADDRESS_TILES = {"forward": 1, "backward": 2}
 # A GPU's tile for rows that fit one pass, up to this width (see _gpu_rows; wider rows were not
 # measured and keep the planner's tile).
 GPU_ONE_ROW_MAX_COLS = 4096
-GPU_BACKWARD_PROGRAMS_PER_UNIT = 4
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -368,18 +367,20 @@ def _plans(rows: int, cols: int, dtype: torch.dtype, offsets_64: bool, profile=N
 
 def _gpu_rows(p: RowPlan, kind: str, profile: DeviceProfile) -> RowPlan:
     """A GPU's single-pass plan up to ``GPU_ONE_ROW_MAX_COLS`` columns: one row per program, the
-    forward in 2 warps, the backward on 4 programs per compute unit in 4 warps (8 above 2048
-    columns). Measured on an H100 (kernels alone, CUDA-graph replay, bf16, N = 8), against the
-    planner's 2-8 rows in 4-8 warps on 2 programs per unit: backward 123 -> 84 us at 4096 x 1024,
-    82 -> 75 at 1024 x 4096, 345 -> 273 at 8192 x 2048, 322 -> 288 at 4096 x 4096; forward 32.1 ->
-    30.8, 32.2 -> 30.8, 109.2 -> 110.1, 112.9 -> 108.3. Other devices keep the planner's tile."""
+    forward in 2 warps, the backward in 4 warps (8 above 2048 columns) on the persistent grid the
+    profile's warps per unit allow (the H100's 16: 4 programs per unit, 2 of 8 warps). Measured on
+    an H100 (kernels alone, CUDA-graph replay, bf16, N = 8), against the planner's 2-8 rows in 4-8
+    warps on 2 programs per unit: backward 123 -> 84 us at 4096 x 1024, 82 -> 77 at 1024 x 4096,
+    345 -> 273 at 8192 x 2048, 322 -> 288 at 4096 x 4096 (8 warps on 2, 4 or 8 programs per unit
+    within 0.6%); forward 32.1 -> 30.8, 32.2 -> 30.8, 109.2 -> 110.1, 112.9 -> 108.3. Other devices
+    keep the planner's tile."""
     if profile.kind != "cuda" or not p.single_pass or p.cols > GPU_ONE_ROW_MAX_COLS:
         return p
     if kind == "forward":
         grid, warps = p.rows, 2
     else:
-        grid = min(p.rows, GPU_BACKWARD_PROGRAMS_PER_UNIT * profile.compute_units)
         warps = 4 if p.cols <= 2048 else 8
+        grid = min(p.rows, max(1, profile.warps_per_unit // warps) * profile.compute_units)
     return dataclasses.replace(p, block_rows=1, row_blocks=p.rows, grid=grid, num_warps=warps,
                                tile_bytes=p.tile_bytes // p.block_rows)
 
