@@ -134,16 +134,17 @@ def sum_partials(partials: torch.Tensor, dtype=torch.float32):
         raise ValueError(f"sum_partials: {partials.shape[0]} planes but {len(dtype)} dtypes")
     totals = [torch.empty(n_cols, dtype=d, device=partials.device) for d in dtype]
     for first in range(0, len(totals), 2):
-        _sum_planes(partials if first == 0 else partials[first], totals[first:first + 2], p, n_rows * n_cols, None)
+        src = partials if first == 0 else partials[first]
+        _sum_planes(src, totals[first:first + 2], p, n_rows * n_cols, None)
     return totals
 
 
 def sum_partials_times(partials: torch.Tensor, scales: tuple, dtypes: tuple) -> tuple:
     """``(sum * scales[0], sum * scales[1])`` in ``dtypes``, ``sum`` being a contiguous fp32
-    ``(programs, cols)`` buffer summed over its rows (in :func:`sum_partials`' fixed order), in fp32,
-    and ``scales`` two ``(cols,)`` tensors: one launch for two gradients that are one reduction times
-    two vectors (attention residuals' ``dw_query = w_norm * G``, ``dw_norm = w_query * G``), where
-    torch's sum, casts and products were six kernels."""
+    ``(programs, cols)`` buffer summed over its rows (in :func:`sum_partials`' fixed order), in
+    fp32, and ``scales`` two contiguous ``(cols,)`` tensors: one launch for two gradients that are
+    one reduction times two vectors (attention residuals' ``dw_query = w_norm * G``, ``dw_norm =
+    w_query * G``), where torch's sum, casts and products were six kernels."""
     n_rows, n_cols = partials.shape
     totals = [torch.empty(n_cols, dtype=d, device=partials.device) for d in dtypes]
     _sum_planes(partials, totals, _sum_plan(n_rows, n_cols), 0, scales)
