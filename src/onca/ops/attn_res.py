@@ -44,14 +44,13 @@ and the two weights only; ``rstd``, the scores and ``alpha`` are recomputed (the
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from onca.device import DeviceProfile, get_profile
+from onca.device import DeviceProfile
 from torch import Tensor
 
 from onca.ops._contract import custom_op, register_autograd
@@ -73,9 +72,11 @@ FORWARD_TILES = dict(live_tiles=3, fp32_tiles=4)  # v, next v, h; v, acc, u, a p
 BACKWARD_TILES = dict(live_tiles=4, fp32_tiles=6)  # v, next v, dh, dv; v, dh, dv, u, G, state in fp32
 ADDRESS_TILES = {"forward": 1, "backward": 2}
 
-# A GPU's tile for rows that fit one pass, up to this width (see _gpu_rows; wider rows were not
-# measured and keep the planner's tile).
-GPU_ONE_ROW_MAX_COLS = 4096
+# One row per GPU program (the planner's max_gpu_rows; its warps and persistent grid follow):
+# measured on an H100 (kernels alone, CUDA-graph replay, bf16, N = 8) against the 2-8 rows it gave
+# before, the backward took 123 -> 84 us at 4096 x 1024, 82 -> 75 at 1024 x 4096, 345 -> 273 at
+# 8192 x 2048, 322 -> 290 at 4096 x 4096; the forward within 3%. Other devices ignore it.
+GPU_ROWS = 1
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -353,36 +354,14 @@ def _attn_res_backward_kernel(
 
 
 def _plans(rows: int, cols: int, dtype: torch.dtype, offsets_64: bool, profile=None) -> dict[str, RowPlan]:
-    profile = profile or get_profile()
     per_address = 2 if offsets_64 else 1
     plans = {}
     for kind, tiles in (("forward", FORWARD_TILES), ("backward", BACKWARD_TILES)):
         fp32_tiles = tiles["fp32_tiles"] + ADDRESS_TILES[kind] * per_address
         # The backward reduces G across rows into one partial row per program: a persistent grid.
-        p = plan_rows(rows, cols, dtype, tiles["live_tiles"], profile, fp32_tiles=fp32_tiles,
-                      persistent=True if kind == "backward" else None)
-        plans[kind] = _gpu_rows(p, kind, profile)
+        plans[kind] = plan_rows(rows, cols, dtype, tiles["live_tiles"], profile, fp32_tiles=fp32_tiles,
+                                persistent=True if kind == "backward" else None, max_gpu_rows=GPU_ROWS)
     return plans
-
-
-def _gpu_rows(p: RowPlan, kind: str, profile: DeviceProfile) -> RowPlan:
-    """A GPU's single-pass plan up to ``GPU_ONE_ROW_MAX_COLS`` columns: one row per program, the
-    forward in 2 warps, the backward in 4 warps (8 above 2048 columns) on the persistent grid the
-    profile's warps per unit allow (the H100's 16: 4 programs per unit, 2 of 8 warps). Measured on
-    an H100 (kernels alone, CUDA-graph replay, bf16, N = 8), against the planner's 2-8 rows in 4-8
-    warps on 2 programs per unit: backward 123 -> 84 us at 4096 x 1024, 82 -> 77 at 1024 x 4096,
-    345 -> 273 at 8192 x 2048, 322 -> 288 at 4096 x 4096 (8 warps on 2, 4 or 8 programs per unit
-    within 0.6%); forward 32.1 -> 30.8, 32.2 -> 30.8, 109.2 -> 110.1, 112.9 -> 108.3. Other devices
-    keep the planner's tile."""
-    if profile.kind != "cuda" or not p.single_pass or p.cols > GPU_ONE_ROW_MAX_COLS:
-        return p
-    if kind == "forward":
-        grid, warps = p.rows, 2
-    else:
-        warps = 4 if p.cols <= 2048 else 8
-        grid = min(p.rows, max(1, profile.warps_per_unit // warps) * profile.compute_units)
-    return dataclasses.replace(p, block_rows=1, row_blocks=p.rows, grid=grid, num_warps=warps,
-                               tile_bytes=p.tile_bytes // p.block_rows)
 
 
 def _needs_offsets_64(rows: int, cols: int, *row_strides: int) -> bool:
