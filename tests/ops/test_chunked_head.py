@@ -144,9 +144,7 @@ def test_forward_takes_the_backward_budget(monkeypatch, device, accum_dtype):
 def vocab_tiles(monkeypatch):
     """Forward chunks of 8 tokens and backward tiles 24 tokens tall: a few hundred columns take
     several vocabulary tiles (the widths asserted, so the tiled path really runs)."""
-    from onca.ops import fused_linear_cross_entropy
-
-    monkeypatch.setattr(fused_linear_cross_entropy, "CHUNK_TOKENS", 8)
+    monkeypatch.setattr(_chunked_head, "FORWARD_CHUNK_TOKENS", 8)
     monkeypatch.setattr(_chunked_head, "GRAD_TILE_TOKENS", 24)
     monkeypatch.setattr(_chunked_head, "VOCAB_TILE_MULTIPLE", 16)
     widths = []

@@ -145,6 +145,11 @@ def test_chunk_plan_policy():
     assert chunk_plan(100, 4096, 128256, torch.bfloat16, free_bytes=100 * gib).n_chunks == 1
     # fp32 accumulation of dW moves twice the bytes per chunk: twice the tokens.
     assert chunk_plan(8192, 4096, 128256, torch.bfloat16, accum_bytes=4, free_bytes=100 * gib).chunk == 2 * op.CHUNK_TOKENS
+    # Another aim (the post-training heads' forward chunks), doubled the same way.
+    aimed = chunk_plan(8192, 4096, 128256, torch.bfloat16, free_bytes=100 * gib, target_tokens=256)
+    assert aimed.chunk == 256
+    assert chunk_plan(8192, 4096, 128256, torch.bfloat16, accum_bytes=4, free_bytes=100 * gib,
+                      target_tokens=256).chunk == 512
     # Little free memory: the scratch shrinks to a fraction of it.
     small = chunk_plan(8192, 4096, 128256, torch.bfloat16, free_bytes=256 << 20)
     assert small.bytes_per_chunk <= (256 << 20) * op.FREE_FRACTION and small.chunk >= 16

@@ -274,14 +274,20 @@ def _logprob_grad_kernel(
 
 # ------------------------------------------------------------------------------------------- plans
 
+# Tokens per forward chunk. Fused linear cross entropy aims at twice this because its chunks also
+# run the weight gradient's update; here the backward does that in its own taller tiles (below),
+# so the forward's chunk only sets the logits GEMM's height and the scratch.
+FORWARD_CHUNK_TOKENS = 512
+
 
 def chunk_plan(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *, accum_fp32: bool = True,
                chunk_tokens: int | None = None, device=None) -> ChunkPlan:
     """Tokens per chunk: one row of logits in ``dtype`` per token is the scratch; the default aims
-    at fused linear cross entropy's ``CHUNK_TOKENS`` (twice that for an fp32 ``dWeight``), capped
-    by a share of the free device memory. ``chunk_tokens`` overrides it."""
+    at ``FORWARD_CHUNK_TOKENS`` (twice that for an fp32 ``dWeight``), capped by a share of the free
+    device memory, as fused linear cross entropy's plan. ``chunk_tokens`` overrides it."""
     return _flce_chunk_plan(tokens, hidden, vocab, dtype, accum_bytes=4 if accum_fp32 else None,
-                            chunk_tokens=chunk_tokens or None, device=device)
+                            chunk_tokens=chunk_tokens or None, device=device,
+                            target_tokens=FORWARD_CHUNK_TOKENS)
 
 
 # Tokens per tile of the backward. Each tile's ``dW[tile] += G.T @ h`` reads and writes its rows of

@@ -67,10 +67,11 @@ def memory_estimate(p, dtype, provider, mode):
     inputs = (t * h + v * h) * b + 8 * t
     grads = 0 if mode == "forward" else (t * h + v * h) * b
     if provider == "onca":
-        from onca.ops.fused_linear_cross_entropy import CHUNK_TOKENS
+        from onca.ops._chunked_head import FORWARD_CHUNK_TOKENS
 
         # one chunk of logits; the fp32 dW accumulator for bf16/fp16 heads
-        extra = min(t, 2 * CHUNK_TOKENS) * v * b + (0 if mode == "forward" or b == 4 else v * h * 4) + 16 * t
+        accumulator = 0 if mode == "forward" or b == 4 else v * h * 4
+        extra = min(t, 2 * FORWARD_CHUNK_TOKENS) * v * b + accumulator + 16 * t
     elif provider == "liger":
         # its fallback: 512-token chunks of fp32 logits, probabilities and log-probabilities
         extra = min(t, 512) * v * 16 + 16 * t
