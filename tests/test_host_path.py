@@ -17,7 +17,7 @@ LAUNCHES = {
     "fused_linear_grpo": 2, "fused_linear_jsd": 3, "fused_linear_kto": 3, "fused_linear_logprobs": 2,
     "fused_linear_orpo": 4, "fused_linear_scaled_cross_entropy": 2, "fused_linear_simpo": 4, "fused_moe": 8,
     "geglu": 2, "group_norm": 3, "grpo_loss": 2, "jsd": 3, "kl_div": 3, "layer_norm": 2, "llama4_rope": 2,
-    "mhc": 9, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
+    "mhc": 10, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
     "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rope": 2, "softmax": 2,
     "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 3, "vocab_parallel_cross_entropy": 5,
 }
@@ -29,7 +29,7 @@ def test_every_benchmarked_op_has_a_launch_count():
 
 # Ops whose forward + backward is their Triton kernels alone: no torch kernel beside them (before
 # the op contract stopped autograd's zero fills, every norm launched one per statistic it returns).
-KERNELS_ONLY = ("attn_res", "fused_add_rms_norm", "geglu", "group_norm", "kl_div", "layer_norm",
+KERNELS_ONLY = ("attn_res", "fused_add_rms_norm", "geglu", "group_norm", "kl_div", "layer_norm", "mhc",
                 "neighborhood_attention", "relu_squared", "rms_norm", "softmax", "sparsemax", "swiglu")
 
 
@@ -37,13 +37,11 @@ KERNELS_ONLY = ("attn_res", "fused_add_rms_norm", "geglu", "group_norm", "kl_div
 # x and residual get one gradient: the benchmark makes both leaves, and two leaves' .grad must not
 # share storage, so autograd copies it for one of them (in a model x and residual are not leaves,
 # and nothing is copied).
-BESIDE_KERNELS = {"fused_add_rms_norm": ["aten::copy_"]}
-
-
-# Ops whose torch kernels beside their own are bounded: mHC's coefficients ran ~640 small torch
-# kernels per step (the Sinkhorn loop, forward and walked back) before their own two kernels; the
-# rest are its matmuls, casts and the benchmark layer's own ops.
-MAX_TORCH_KERNELS = {"mhc": 30}
+# mHC's stream x feeds three ops (coefficients, mix-down, mix-back): autograd adds their three
+# gradients (add, add_); silu and its backward are the benchmark's layer. (Its coefficients ran
+# ~640 small torch kernels per step before their kernels, then four sums and four zero fills.)
+BESIDE_KERNELS = {"fused_add_rms_norm": ["aten::copy_"],
+                  "mhc": ["aten::add", "aten::add_", "aten::silu", "aten::silu_backward"]}
 
 
 @pytest.mark.parametrize("op", sorted(LAUNCHES))
@@ -53,8 +51,6 @@ def test_launches_per_step(op):
     assert HOST_SYNC not in kernels, f"{op} reads a device value on the host"
     if op in KERNELS_ONLY:
         assert kernels == BESIDE_KERNELS.get(op, []), f"{op} launches torch kernels beside its own: {kernels}"
-    if op in MAX_TORCH_KERNELS:
-        assert len(kernels) <= MAX_TORCH_KERNELS[op], f"{op} launches {len(kernels)} torch kernels: {kernels}"
 
 
 def _row_op_calls():

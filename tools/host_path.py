@@ -54,6 +54,8 @@ _NO_KERNEL = frozenset(f"aten::{name}" for name in (
     "expand", "slice", "select", "unsqueeze", "squeeze", "resolve_conj", "resolve_neg", "result_type",
     "contiguous", "set_", "resize_", "numpy_T", "unbind", "split", "chunk", "narrow", "view_as_real",
     "view_as_complex", "promote_types", "_nnpack_available", "scalar_tensor",
+    # ``to`` is a leaf only where it returns its input (a real cast calls ``_to_copy`` below it)
+    "to",
 ))
 # A read of a device value on the host: a synchronisation on a GPU (the op contract forbids it).
 HOST_SYNC = "aten::_local_scalar_dense"

@@ -583,7 +583,7 @@ def _(x, h_pre):
 def mhc_pre_backward(dout: Tensor, x: Tensor, h_pre: Tensor) -> tuple[Tensor, Tensor]:
     n, hc, c = x.shape
     dx = torch.empty_like(x)
-    dh = torch.zeros_like(h_pre)
+    dh = torch.empty_like(h_pre)  # the kernel stores every row's (one program per row block)
     if n:
         _launch(_mhc_pre_backward_kernel, _pre_tiles, n, c, hc, x.dtype, dout.contiguous(), x, h_pre, dx, dh)
     return dx, dh
@@ -626,7 +626,7 @@ def mhc_post_res_backward(dout: Tensor, x: Tensor, f_out: Tensor, h_post: Tensor
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n, hc, c = x.shape
     dx, df = torch.empty_like(x), torch.empty_like(f_out)
-    dh_post, dh_res = torch.zeros_like(h_post), torch.zeros_like(h_res)
+    dh_post, dh_res = torch.empty_like(h_post), torch.empty_like(h_res)  # every row stored by its program
     if n:
         _launch(_mhc_post_res_backward_kernel, _post_tiles, n, c, hc, x.dtype, dout.contiguous(), x, f_out,
                 h_post, h_res, dx, df, dh_post, dh_res)
@@ -774,37 +774,34 @@ def _(x, phi, b, alpha_pre, alpha_post, alpha_res, tmax, rms_eps, pre_eps, sinkh
 @custom_op("mhc_coeffs_backward")
 def mhc_coeffs_backward(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, phi: Tensor, b: Tensor,
                         alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor, proj: Tensor, invr: Tensor,
-                        tmax: int, sinkhorn_eps: float, post_mult: float
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``x, phi, b, alpha_pre, alpha_post, alpha_res``: the per-token chain (sigmoids,
-    softmax, Sinkhorn walked back) in one kernel, which also reduces ``db`` and the ``alpha``
-    gradients per program, then the projection's backward (``dx`` and ``dphi``) in one more."""
+                        tmax: int, sinkhorn_eps: float, post_mult: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dphi, d_small)``: the gradients of ``x`` and ``phi``, and those of ``b`` and the three
+    ``alpha`` in one fp32 vector (``M + 3``: ``db`` then ``d_alpha_pre, _post, _res``), split by
+    the autograd backward (a custom op's outputs may not be views of one another). The per-token
+    chain (sigmoids, softmax, Sinkhorn walked back) is one kernel, which also writes each program's
+    partial ``db`` and ``alpha`` sums (all summed in one launch, in a fixed order), then the
+    projection's backward (``dx`` and ``dphi``) one more."""
     n, hc, c = x.shape
     m = hc * hc + 2 * hc
     d_proj = proj.new_empty((n, m))
     rms_coef = proj.new_empty((n,))
     p = _coeff_plan(max(n, 1), hc)
-    partials = proj.new_zeros((p.grid, m + 3))
+    partials = proj.new_empty((p.grid, m + 3))  # every program stores its whole row
     hb = next_power_of_2(hc)
     iterates = proj.new_empty((p.grid * (2 * tmax - 1) * p.block_rows * hb * hb,) if n else (0,))
-    if n:
-        _coeff_launch(_mhc_coeffs_backward_kernel, n, hc, proj, invr, b, alpha_pre, alpha_post, alpha_res, d_pre,
-                      d_post, d_res, d_proj, rms_coef, partials, iterates, n, hc, hc * c, sinkhorn_eps, post_mult,
-                      tmax)
-        dx, dphi = _project_backward(x, phi, d_proj, rms_coef)
-    else:
-        dx, dphi = torch.zeros_like(x), phi.new_zeros(phi.shape, dtype=torch.float32)
-    # Separate reductions, not views of one: a custom op's outputs may not alias each other.
-    db = partials[:, :m].sum(0)
-    d_alphas = [partials[:, m + i].sum() for i in range(3)]
-    return (dx, dphi.to(phi.dtype), db.to(b.dtype), d_alphas[0].to(alpha_pre.dtype),
-            d_alphas[1].to(alpha_post.dtype), d_alphas[2].to(alpha_res.dtype))
+    if not n:
+        return torch.zeros_like(x), phi.new_zeros(phi.shape), proj.new_zeros(m + 3)
+    _coeff_launch(_mhc_coeffs_backward_kernel, n, hc, proj, invr, b, alpha_pre, alpha_post, alpha_res, d_pre,
+                  d_post, d_res, d_proj, rms_coef, partials, iterates, n, hc, hc * c, sinkhorn_eps, post_mult,
+                  tmax)
+    dx, dphi = _project_backward(x, phi, d_proj, rms_coef)
+    return dx, dphi.to(phi.dtype), sum_partials(partials)
 
 
 @mhc_coeffs_backward.register_fake
 def _(d_pre, d_post, d_res, x, phi, b, alpha_pre, alpha_post, alpha_res, proj, invr, tmax, sinkhorn_eps,
       post_mult):
-    return tuple(torch.empty_like(t) for t in (x, phi, b, alpha_pre, alpha_post, alpha_res))
+    return torch.empty_like(x), torch.empty_like(phi), proj.new_empty(b.shape[0] + 3)
 
 
 def _coeffs_setup(ctx, inputs, output):
@@ -815,15 +812,18 @@ def _coeffs_setup(ctx, inputs, output):
 
 
 def _coeffs_backward(ctx, d_pre, d_post, d_res, _d_proj, _d_invr):
-    x = ctx.saved_tensors[0]
+    x, phi, b, alpha_pre, alpha_post, alpha_res = ctx.saved_tensors[:6]
     n, hc, _ = x.shape
     # The backward kernel takes all three gradients (each a few numbers per token): zeros for an
     # unused coefficient.
     d_pre, d_post = ((x.new_zeros((n, hc), dtype=torch.float32) if d is None else d.contiguous())
                      for d in (d_pre, d_post))
     d_res = x.new_zeros((n, hc, hc), dtype=torch.float32) if d_res is None else d_res.contiguous()
-    return (*mhc_coeffs_backward(d_pre, d_post, d_res, *ctx.saved_tensors, *ctx.options), None, None, None, None,
-            None)
+    dx, dphi, d_small = mhc_coeffs_backward(d_pre, d_post, d_res, *ctx.saved_tensors, *ctx.options)
+    m = b.shape[0]
+    # Views of the one vector (no kernel; a cast only for a parameter that is not fp32).
+    d_alphas = (d_small[m + i].to(a.dtype) for i, a in enumerate((alpha_pre, alpha_post, alpha_res)))
+    return (dx, dphi, d_small[:m].to(b.dtype), *d_alphas, None, None, None, None, None)
 
 
 register_autograd(mhc_coeffs_forward, _coeffs_backward, setup_context=_coeffs_setup)
