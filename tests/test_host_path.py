@@ -30,7 +30,8 @@ def test_every_benchmarked_op_has_a_launch_count():
 # Ops whose forward + backward is their Triton kernels alone: no torch kernel beside them (before
 # the op contract stopped autograd's zero fills, every norm launched one per statistic it returns).
 KERNELS_ONLY = ("attn_res", "fused_add_rms_norm", "geglu", "group_norm", "kl_div", "layer_norm", "mhc",
-                "neighborhood_attention", "relu_squared", "rms_norm", "softmax", "sparsemax", "swiglu")
+                "modulated_rms_norm", "neighborhood_attention", "relu_squared", "rms_norm", "softmax", "sparsemax",
+                "swiglu")
 
 
 # The torch kernels a kernels-only op's benchmark step still runs, and why. Fused add + RMSNorm's
@@ -40,8 +41,11 @@ KERNELS_ONLY = ("attn_res", "fused_add_rms_norm", "geglu", "group_norm", "kl_div
 # mHC's stream x feeds three ops (coefficients, mix-down, mix-back): autograd adds their three
 # gradients (add, add_); silu and its backward are the benchmark's layer. (Its coefficients ran
 # ~640 small torch kernels per step before their kernels, then four sums and four zero fills.)
+# Modulated RMSNorm zeroes one buffer: dW's partial rows and the modulation's slots, all accumulated
+# into.
 BESIDE_KERNELS = {"fused_add_rms_norm": ["aten::copy_"],
-                  "mhc": ["aten::add", "aten::add_", "aten::silu", "aten::silu_backward"]}
+                  "mhc": ["aten::add", "aten::add_", "aten::silu", "aten::silu_backward"],
+                  "modulated_rms_norm": ["aten::zero_"]}
 
 
 @pytest.mark.parametrize("op", sorted(LAUNCHES))

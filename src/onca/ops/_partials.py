@@ -64,11 +64,17 @@ def fill_wanted(wanted, items, absent=None) -> list:
     return [next(it) if w else absent for w in wanted]
 
 
+def partial_rows(grid: int) -> int:
+    """Rows of a partial buffer for ``grid`` programs (two programs share a row)."""
+    return (grid + 1) // 2
+
+
 def partial_buffer(grid: int, cols: int, device, planes: int | None = None) -> torch.Tensor:
     """The zeroed ``(ceil(grid / 2), cols)`` fp32 buffer that ``accumulate_partial`` adds into; with
     ``planes``, ``(planes, ceil(grid / 2), cols)``: one plane per gradient, all zeroed by one fill
-    (:func:`sum_partials` sums two planes per launch)."""
-    rows = (grid + 1) // 2
+    (:func:`sum_partials` sums two planes per launch). An op that zeroes other buffers too may
+    instead take ``partial_rows(grid)`` rows of one zeroed buffer of its own."""
+    rows = partial_rows(grid)
     shape = (rows, cols) if planes is None else (planes, rows, cols)
     return torch.zeros(shape, dtype=torch.float32, device=device)
 

@@ -38,7 +38,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
-from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
+from onca.ops._partials import accumulate_partial, partial_row, partial_rows, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_same_device
@@ -353,14 +353,19 @@ def modulated_rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, sc
     rows_per_mod = rows // mod_rows
     per_row = mod_rows == rows
     blocks_per_program = -(-p.row_blocks // p.grid)
+    # dW's partial rows and the modulation's slots (a slot never written sums as zero) are rows of
+    # one buffer: one zero fill for all of them.
+    dw_rows = 0 if weight is None else partial_rows(p.grid)
+    n_slots = 0 if per_row else p.grid + mod_rows
+    slot_planes = 1 if shift is None else 2
+    zeroed = torch.zeros((dw_rows + n_slots * slot_planes, cols), dtype=torch.float32, device=x.device)
+    dw_partials = rstd if weight is None else zeroed[:dw_rows]
     if per_row:  # the gradients themselves, contiguous rows in their parameters' shapes
         ds_buf = torch.empty_like(scale, memory_format=torch.contiguous_format)
         dsh_buf = None if shift is None else torch.empty_like(shift, memory_format=torch.contiguous_format)
     else:
-        n_slots = p.grid + mod_rows
-        ds_buf = torch.zeros((n_slots, cols), dtype=torch.float32, device=x.device)
-        dsh_buf = None if shift is None else torch.zeros((n_slots, cols), dtype=torch.float32, device=x.device)
-    dw_partials = rstd if weight is None else partial_buffer(p.grid, cols, x.device)
+        ds_buf = zeroed[dw_rows:dw_rows + n_slots]
+        dsh_buf = None if shift is None else zeroed[dw_rows + n_slots:]
     c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=x.device)
     w = x if weight is None else weight
     _modulated_rms_norm_backward_kernel[(p.grid,)](
