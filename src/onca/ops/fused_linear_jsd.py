@@ -52,6 +52,7 @@ from onca.ops.jsd import (
     gradient_view,
     jsd_rows,
     plan_divergence,
+    scaled_sum,
     token_scale,
 )
 from onca.tiling import ChunkPlan, RowPlan, plan_token_chunks
@@ -97,7 +98,8 @@ def fused_linear_jsd_forward(student_hidden: Tensor, student_weight: Tensor, tea
     tokens, hidden = sh.shape
     vocab = sw.shape[0]
     device = sh.device
-    row_loss = torch.zeros(tokens, dtype=torch.float32, device=device)
+    # The kernel stores every token's loss; with no vocabulary there are none to store.
+    row_loss = (torch.empty if vocab else torch.zeros)(tokens, dtype=torch.float32, device=device)
     scale = token_scale(labels, tokens, ignore_index, reduction, device)
     dh = sh.new_empty((tokens, hidden) if need_hidden_grad else (0,))
     dw = None
@@ -110,7 +112,7 @@ def fused_linear_jsd_forward(student_hidden: Tensor, student_weight: Tensor, tea
         dh.zero_()
         if dw is not None:
             dw.zero_()
-    loss = (row_loss.sum() * scale[0]).to(sh.dtype)
+    loss = scaled_sum(row_loss, sh.dtype, scale)
     return loss, dh, dw.to(sw.dtype) if dw is not None else sw.new_empty(0)
 
 

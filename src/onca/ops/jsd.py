@@ -69,8 +69,8 @@ from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradient
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = [
-    "jsd", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "gradient_view", "token_scale", "check_beta",
-    "check_temperature", "check_ignore_index", "check_labels",
+    "jsd", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "gradient_view", "token_scale", "scaled_sum",
+    "check_beta", "check_temperature", "check_ignore_index", "check_labels",
 ]
 
 REDUCTIONS = ("none", "sum", "mean")
@@ -140,18 +140,19 @@ def _lse_finish(m, s):
 def _jsd_kernel(
     x_ptr, y_ptr, labels_ptr, g_ptr, dx_ptr, loss_ptr,
     n_rows, n_cols, x_row_stride, y_row_stride, dx_row_stride,
-    beta, inv_temp, ignore_index,
+    beta, inv_temp, ignore_index, g_const,
     MODE: tl.constexpr,
     NORMALIZE: tl.constexpr,
     HAS_LABELS: tl.constexpr,
-    G_PER_ROW: tl.constexpr,
+    G_MODE: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
     """Per row: the divergence summed over the vocabulary (into ``loss_ptr[row]``) and, when
-    ``WRITE_GRAD``, its gradient w.r.t. ``x`` times ``g`` (a device scalar, or one value per row).
+    ``WRITE_GRAD``, its gradient w.r.t. ``x`` times ``g`` (``G_MODE``: the host constant
+    ``g_const`` (0), a device scalar (1), or one value per row (2)).
 
     Ignored rows load nothing, and write a zero loss and a zero gradient.
     """
@@ -172,10 +173,12 @@ def _jsd_kernel(
         y_rows = y_ptr + rows64 * y_row_stride
         if WRITE_GRAD:
             dx_rows = dx_ptr + rows64 * dx_row_stride
-            if G_PER_ROW:
+            if G_MODE == 2:
                 g = tl.load(g_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-            else:
+            elif G_MODE == 1:
                 g = tl.where(valid, tl.load(g_ptr).to(tl.float32), 0.0)
+            else:
+                g = tl.where(valid, g_const, 0.0)
         row_loss = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         if not NORMALIZE:
             for tile in range(COL_TILES):
@@ -296,18 +299,19 @@ def jsd_rows(x2d, y2d, labels, g, dx, row_loss, beta: float, ignore_index: int, 
     """Launch the divergence kernel on ``(rows, vocab)`` matrices (at least one element).
 
     Writes each row's divergence into ``row_loss`` (fp32, ``(rows,)``) and, when ``dx`` is given,
-    the gradient w.r.t. ``x2d`` times ``g`` (a one-element device tensor, or ``(rows,)`` when
-    ``g_per_row``). ``dx`` may alias ``x2d`` when ``normalize`` is set (each tile is read before
+    the gradient w.r.t. ``x2d`` times ``g`` (a host float, a one-element device tensor, or ``(rows,)``
+    when ``g_per_row``). ``dx`` may alias ``x2d`` when ``normalize`` is set (each tile is read before
     it is written). Used by this op and by the fused linear JSD.
     """
     rows, cols = x2d.shape
     p = plan_divergence(rows, cols, x2d.dtype, normalize)
+    on_host = isinstance(g, float)
     _jsd_kernel[(p.grid,)](
-        x2d, y2d, labels, g, dx, row_loss,
+        x2d, y2d, labels, x2d if on_host else g, dx, row_loss,
         rows, cols, x2d.stride(0), y2d.stride(0), dx.stride(0) if dx is not None else 0,
-        float(beta), 1.0 / float(temperature), int(ignore_index),
+        float(beta), 1.0 / float(temperature), int(ignore_index), g if on_host else 1.0,
         MODE=mode_of(beta), NORMALIZE=bool(normalize), HAS_LABELS=labels is not None,
-        G_PER_ROW=bool(g_per_row), WRITE_GRAD=dx is not None,
+        G_MODE=2 if g_per_row else 0 if on_host else 1, WRITE_GRAD=dx is not None,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
         num_warps=p.num_warps,
     )
@@ -324,22 +328,31 @@ def gradient_view(logits: Tensor, dtype: torch.dtype) -> Tensor:
     return logits.view(dtype)[:, : logits.shape[1]]
 
 
-def token_scale(labels, rows: int, ignore_index: int, reduction: str, device) -> torch.Tensor:
-    """The factor each token's loss is multiplied by, as a one-element fp32 device tensor (no host
-    sync). ``mean``: ``1 / max(tokens not ignored, 1)`` with labels (0 when none counts), ``1 /
-    rows`` without (NaN for no rows, as torch's mean over nothing); else 1."""
+def token_scale(labels, rows: int, ignore_index: int, reduction: str, device) -> float | torch.Tensor:
+    """The factor each token's loss is multiplied by: a host float where it does not depend on the
+    labels (no tensor filled per call), else a one-element fp32 device tensor (no host sync).
+    ``mean``: ``1 / max(tokens not ignored, 1)`` with labels (0 when none counts), ``1 / rows``
+    without (NaN for no rows, as torch's mean over nothing); else 1."""
     if reduction != "mean":
-        return torch.ones(1, dtype=torch.float32, device=device)
+        return 1.0
     if labels is None:
-        return torch.full((1,), 1.0 / rows if rows else float("nan"), dtype=torch.float32, device=device)
+        return 1.0 / rows if rows else float("nan")
     count = (labels != ignore_index).sum().clamp_(min=1).to(torch.float32)
     return count.reciprocal_().reshape(1)
 
 
-def _reduce(row_loss: Tensor, scale: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+def scaled_sum(values: Tensor, dtype: torch.dtype, scale: float | Tensor) -> Tensor:
+    """``values.sum() * scale`` in one launch (:func:`onca.ops._partials.sum_scaled`), for a
+    :func:`token_scale` factor on the host or the device."""
+    if isinstance(scale, float):
+        return sum_scaled(values, dtype, scale)
+    return sum_scaled(values, dtype, factor=scale)
+
+
+def _reduce(row_loss: Tensor, scale: float | Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
     if reduction == "none":
         return row_loss.to(dtype)
-    return sum_scaled(row_loss, dtype, factor=scale)
+    return scaled_sum(row_loss, dtype, scale)
 
 
 @custom_op("jsd_forward")
@@ -418,8 +431,9 @@ def _backward(ctx, grad, _grad_dx):
         input, target, labels = ctx.saved_tensors
         if ctx.reduction != "none":  # a scalar loss (fp16): the incoming gradient times the token scale
             rows = input.shape[0]
-            grad = grad.to(torch.float32).reshape(()) * token_scale(labels, rows, ctx.args[1], ctx.reduction,
-                                                                      input.device).reshape(())
+            scale = token_scale(labels, rows, ctx.args[1], ctx.reduction, input.device)
+            grad = grad.to(torch.float32).reshape(())
+            grad = grad * (scale if isinstance(scale, float) else scale.reshape(()))
         dx = jsd_backward(grad, input, target, labels, *ctx.args)
     return dx, None, None, None, None, None, None, None, None
 

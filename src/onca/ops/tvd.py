@@ -34,7 +34,8 @@ scale applied afterwards would multiply zeros; their backward kernel computes th
 saved inputs and the incoming gradient times the reduction's factor, in fp32, rounding once. For ``none`` the backward kernel recomputes it from the
 saved ``input``/``target`` and the elementwise incoming gradient.
 
-The loss's factor is a device scalar (the count of tokens not ignored is never read on the host).
+With labels the loss's factor is a device scalar (the count of tokens not ignored is never read on
+the host); without, a host constant.
 Rows are covered in column tiles of the plan's width; every element is independent, so one pass
 serves any vocabulary. Reductions are deterministic: one sum per row, added up once afterwards.
 """
@@ -80,7 +81,7 @@ def _tvd_kernel(
     p_row_stride, q_row_stride, g_row_stride, loss_row_stride, dp_row_stride, dq_row_stride,
     scale, ignore_index,
     LOSS: tl.constexpr,
-    G_ELEMENTWISE: tl.constexpr,
+    G_MODE: tl.constexpr,
     HAS_LABELS: tl.constexpr,
     WRITE_DP: tl.constexpr,
     WRITE_DQ: tl.constexpr,
@@ -89,13 +90,16 @@ def _tvd_kernel(
     COL_TILES: tl.constexpr,
 ):
     """One pass over each row: the loss (elementwise, or summed per row) and/or the gradients
-    ``+-0.5 * sign(p - q) * g``, with ``g`` the device scalar ``g_ptr[0] * scale`` or, with
-    ``G_ELEMENTWISE``, ``g_ptr[row, col] * scale``. Ignored rows read nothing and write zeros."""
+    ``+-0.5 * sign(p - q) * g``, with ``g`` (``G_MODE``) the host constant ``scale`` (0), the device
+    scalar ``g_ptr[0] * scale`` (1) or ``g_ptr[row, col] * scale`` (2). Ignored rows read nothing
+    and write zeros."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    if not G_ELEMENTWISE:
+    if G_MODE == 0:
+        g_scalar = scale
+    elif G_MODE == 1:
         g_scalar = tl.load(g_ptr).to(tl.float32) * scale
     for row_block in tl.range(pid, n_row_blocks, n_programs):
         rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -123,7 +127,7 @@ def _tvd_kernel(
             elif LOSS == 2:
                 row_sum += tl.sum(0.5 * tl.abs(diff), axis=1)
             if WRITE_DP or WRITE_DQ:
-                if G_ELEMENTWISE:
+                if G_MODE == 2:
                     g = tl.load(g_ptr + rows64 * g_row_stride + cols[None, :], mask=load_mask, other=0.0)
                     g = g.to(tl.float32) * scale
                 else:
@@ -154,30 +158,36 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 
 def _launch(tiles: dict, p, q, labels, g, scale: float, ignore_index: int, loss, loss_mode: int, dp, dq):
+    """``g``: None (the factor is the host constant ``scale``), a one-element device scalar or the
+    elementwise incoming gradient, each times ``scale``."""
     rows, cols = p.shape
     pl = plan_rows(rows, cols, p.dtype, **tiles)
-    g_elementwise = g.dim() == 2
+    g_elementwise = g is not None and g.dim() == 2
     _tvd_kernel[(pl.grid,)](
-        p, q, labels if labels is not None else p, g, loss if loss is not None else p,
+        p, q, labels if labels is not None else p, g if g is not None else p, loss if loss is not None else p,
         dp if dp is not None else p, dq if dq is not None else p,
         rows, cols,
         p.stride(0), q.stride(0), g.stride(0) if g_elementwise else 0,
         loss.stride(0) if loss is not None and loss.dim() == 2 else 0,
         dp.stride(0) if dp is not None else 0, dq.stride(0) if dq is not None else 0,
         float(scale), int(ignore_index),
-        LOSS=loss_mode, G_ELEMENTWISE=g_elementwise, HAS_LABELS=labels is not None,
+        LOSS=loss_mode, G_MODE=0 if g is None else 2 if g_elementwise else 1, HAS_LABELS=labels is not None,
         WRITE_DP=dp is not None, WRITE_DQ=dq is not None,
         BLOCK_ROWS=pl.block_rows, BLOCK_COLS=pl.block_cols, COL_TILES=pl.col_tiles, num_warps=pl.num_warps,
     )
 
 
 def _factor(labels, rows: int, cols: int, ignore_index: int, reduction: str, device):
-    """The reduction's factor as ``(device scalar, host constant)``: the device part counts the
-    tokens not ignored (``onca.ops.jsd.token_scale``), the host part is ``1 / vocab`` for ``mean``."""
+    """The reduction's factor as ``(device scalar or None, host constant)``: with labels the device
+    part counts the tokens not ignored (``onca.ops.jsd.token_scale``); without, the whole factor is
+    known on the host (None: no one-element tensor filled per call). The host part is ``1 / vocab``
+    for ``mean``, and ``1 / rows`` too without labels (NaN for no rows, as torch's mean)."""
     if reduction in ("none", "sum"):
-        return torch.ones(1, dtype=torch.float32, device=device), 1.0
-    per_token = token_scale(labels, rows, ignore_index, "mean", device)
-    return per_token, (1.0 / cols if reduction == "mean" else 1.0)
+        return None, 1.0
+    const = 1.0 / cols if reduction == "mean" else 1.0
+    if labels is None:
+        return None, const * (1.0 / rows if rows else float("nan"))
+    return token_scale(labels, rows, ignore_index, "mean", device), const
 
 
 @custom_op("tvd_forward")
@@ -268,7 +278,9 @@ def _backward(ctx, grad, _grad_dp):
     else:  # a scalar loss (fp16 inputs): the incoming gradient times the reduction's factor, fp32
         rows, cols = input.shape
         factor, const = _factor(shift_labels, rows, cols, ctx.ignore_index, ctx.reduction, input.device)
-        g = grad.to(torch.float32).reshape(1) * factor * const
+        g = grad.to(torch.float32).reshape(1) * const
+        if factor is not None:
+            g = g * factor
     dp, dq = tvd_backward(g, input, target, shift_labels, ctx.ignore_index, want_dp, want_dq)
     return dp if want_dp else None, dq if want_dq else None, None, None, None, None
 
