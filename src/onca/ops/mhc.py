@@ -40,6 +40,8 @@ whole k loop, that bias measured 1.6e-4 of a coefficient on the H100.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -558,10 +560,18 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 
 def _launch(kernel, tiles, n: int, c: int, hc: int, dtype, *args) -> None:
+    grid, constexprs = _rows_config(tiles, n, c, hc, dtype, get_profile())
+    kernel[grid](*args, n, c, hc, **constexprs)
+
+
+# The launch configurations below are kept per shape (each is a few plans and divisions, which at
+# small sizes cost more host time than the launch); callers unpack, never modify, their dicts.
+@functools.lru_cache(maxsize=1024)
+def _rows_config(tiles, n: int, c: int, hc: int, dtype, profile) -> tuple[tuple, dict]:
     hb = next_power_of_2(hc)
-    p = plan_rows(n, c, dtype, **tiles(hb))
-    kernel[(p.grid,)](*args, n, c, hc, HC_BLOCK=hb, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
-                      COL_TILES=p.col_tiles, num_warps=p.num_warps)
+    p = plan_rows(n, c, dtype, profile=profile, **tiles(hb))
+    return (p.grid,), dict(HC_BLOCK=hb, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols,
+                           COL_TILES=p.col_tiles, num_warps=p.num_warps)
 
 
 @custom_op("mhc_pre_forward")
@@ -699,47 +709,63 @@ def _item_grid(items: int, profile: DeviceProfile) -> int:
     return min(items, profile.compute_units) if profile.persistent else items
 
 
-def _project(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
-    """The projection's column splits: ``(proj parts (S, N, M), squares parts (S, N))``, fp32."""
-    n, hc, c = x.shape
-    k, m = hc * c, phi.shape[1]
-    profile = get_profile()
-    p = _projection_plan(n, k, hc, x.dtype, profile)
+@functools.lru_cache(maxsize=1024)
+def _projection_config(n: int, k: int, hc: int, dtype, profile) -> tuple[tuple, int, int, dict]:
+    """``(grid, splits, split_cols, constexprs)`` of the projection kernel."""
+    p = _projection_plan(n, k, hc, dtype, profile)
     splits = _projection_splits(n, k, p, profile)
     split_cols = triton.cdiv(triton.cdiv(k, p.block_k), splits) * p.block_k
     splits = triton.cdiv(k, split_cols)  # none empty
     items = triton.cdiv(n, p.block_m) * splits
+    constexprs = dict(SPLIT_X=dtype != torch.bfloat16, BLOCK_N=p.block_m, BLOCK_K=p.block_k,
+                      M_BLOCK=_m_block(hc), num_warps=p.num_warps, num_stages=p.num_stages)
+    return (_item_grid(items, profile),), splits, split_cols, constexprs
+
+
+def _project(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
+    """The projection's column splits: ``(proj parts (S, N, M), squares parts (S, N))``, fp32."""
+    n, hc, c = x.shape
+    k, m = hc * c, phi.shape[1]
+    grid, splits, split_cols, constexprs = _projection_config(n, k, hc, x.dtype, get_profile())
     parts, squares = x.new_empty((splits, n, m), dtype=torch.float32), x.new_empty((splits, n), dtype=torch.float32)
-    _mhc_projection_kernel[(_item_grid(items, profile),)](
-        x, phi, parts, squares, n, k, m, splits, split_cols, SPLIT_X=x.dtype != torch.bfloat16,
-        DOT=_dot_mode(x.dtype), BLOCK_N=p.block_m, BLOCK_K=p.block_k, M_BLOCK=_m_block(hc),
-        num_warps=p.num_warps, num_stages=p.num_stages)
+    _mhc_projection_kernel[grid](x, phi, parts, squares, n, k, m, splits, split_cols, DOT=_dot_mode(x.dtype),
+                                 **constexprs)
     return parts, squares
+
+
+@functools.lru_cache(maxsize=1024)
+def _projection_backward_config(n: int, k: int, hc: int, dtype, profile) -> tuple[tuple, int, dict]:
+    """``(grid, token shares, constexprs)`` of the projection's backward kernel."""
+    p = _projection_backward_plan(n, k, hc, dtype, profile)
+    col_tiles, row_blocks = triton.cdiv(k, p.block_n), triton.cdiv(n, p.block_m)
+    # Token shares for four items per compute unit (timed: 1.3x two), each a few row blocks.
+    shares = max(1, min(row_blocks, triton.cdiv(4 * profile.compute_units, col_tiles)))
+    constexprs = dict(SPLIT_X=dtype != torch.bfloat16, BLOCK_N=p.block_m, BLOCK_K=p.block_n,
+                      M_BLOCK=_m_block(hc), num_warps=p.num_warps, num_stages=p.num_stages)
+    return (_item_grid(col_tiles * shares, profile),), shares, constexprs
 
 
 def _project_backward(x: Tensor, phi: Tensor, d_proj: Tensor, rms_coef: Tensor) -> tuple[Tensor, Tensor]:
     """``(dx_flat in x's dtype, dphi fp32)`` of the projection and the RMS factor's term."""
     n, hc, c = x.shape
     k, m = hc * c, d_proj.shape[1]
-    profile = get_profile()
-    p = _projection_backward_plan(n, k, hc, x.dtype, profile)
-    col_tiles, row_blocks = triton.cdiv(k, p.block_n), triton.cdiv(n, p.block_m)
-    # Token shares for four items per compute unit (timed: 1.3x two), each a few row blocks.
-    shares = max(1, min(row_blocks, triton.cdiv(4 * profile.compute_units, col_tiles)))
-    items = col_tiles * shares
+    grid, shares, constexprs = _projection_backward_config(n, k, hc, x.dtype, get_profile())
     dx = torch.empty_like(x)
     dphi = d_proj.new_empty((shares, k, m))
-    _mhc_projection_backward_kernel[(_item_grid(items, profile),)](
-        x, phi, d_proj, rms_coef, dx, dphi, n, k, m, shares, SPLIT_X=x.dtype != torch.bfloat16,
-        DOT=_dot_mode(x.dtype), BLOCK_N=p.block_m, BLOCK_K=p.block_n, M_BLOCK=_m_block(hc),
-        num_warps=p.num_warps, num_stages=p.num_stages)
+    _mhc_projection_backward_kernel[grid](x, phi, d_proj, rms_coef, dx, dphi, n, k, m, shares,
+                                          DOT=_dot_mode(x.dtype), **constexprs)
     return dx, sum_partials(dphi.view(shares, k * m)).view(k, m)
 
 
 def _coeff_launch(kernel, n: int, hc: int, *args, **constexprs) -> None:
-    p = _coeff_plan(n, hc)
-    kernel[(p.grid,)](*args, HC_BLOCK=next_power_of_2(hc), BLOCK_ROWS=p.block_rows, num_warps=p.num_warps,
-                      **constexprs)
+    grid, planned = _coeff_config(n, hc, get_profile())
+    kernel[grid](*args, **planned, **constexprs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _coeff_config(n: int, hc: int, profile) -> tuple[tuple, dict]:
+    p = _coeff_plan(n, hc, profile)
+    return (p.grid,), dict(HC_BLOCK=next_power_of_2(hc), BLOCK_ROWS=p.block_rows, num_warps=p.num_warps)
 
 
 @custom_op("mhc_coeffs_forward")
@@ -785,10 +811,10 @@ def mhc_coeffs_backward(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor,
     m = hc * hc + 2 * hc
     d_proj = proj.new_empty((n, m))
     rms_coef = proj.new_empty((n,))
-    p = _coeff_plan(max(n, 1), hc)
-    partials = proj.new_empty((p.grid, m + 3))  # every program stores its whole row
-    hb = next_power_of_2(hc)
-    iterates = proj.new_empty((p.grid * (2 * tmax - 1) * p.block_rows * hb * hb,) if n else (0,))
+    (grid,), planned = _coeff_config(max(n, 1), hc, get_profile())
+    partials = proj.new_empty((grid, m + 3))  # every program stores its whole row
+    hb = planned["HC_BLOCK"]
+    iterates = proj.new_empty((grid * (2 * tmax - 1) * planned["BLOCK_ROWS"] * hb * hb,) if n else (0,))
     if not n:
         return torch.zeros_like(x), phi.new_zeros(phi.shape), proj.new_zeros(m + 3)
     _coeff_launch(_mhc_coeffs_backward_kernel, n, hc, proj, invr, b, alpha_pre, alpha_post, alpha_res, d_pre,
