@@ -187,11 +187,14 @@ def _sum_scaled_kernel(src_ptr, factor_ptr, out_ptr, n, scale, HAS_FACTOR: tl.co
 
 
 def sum_scaled(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0,
-               factor: torch.Tensor | None = None) -> torch.Tensor:
+               factor: torch.Tensor | float | None = None) -> torch.Tensor:
     """``values.sum() * scale * factor[0]`` as a 0-d ``dtype`` tensor, in one launch: one program
     adds the contiguous 1-D fp32 ``values`` in a fixed order (deterministic), in fp32. ``factor`` is
-    a one-element fp32 device tensor (a token count's reciprocal: no host sync). A sum over nothing
-    is 0 (times a NaN scale, NaN, as torch's mean over nothing)."""
+    a one-element fp32 device tensor (a token count's reciprocal: no host sync), or a float known on
+    the host (folded into ``scale``). A sum over nothing is 0 (times a NaN scale, NaN, as torch's
+    mean over nothing)."""
+    if isinstance(factor, float):
+        scale, factor = scale * factor, None
     out = torch.empty((), dtype=dtype, device=values.device)
     _sum_scaled_kernel[(1,)](values, values if factor is None else factor, out, values.numel(), float(scale),
                              HAS_FACTOR=factor is not None, BLOCK=_SUM_BLOCK, num_warps=4)

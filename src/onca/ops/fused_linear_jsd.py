@@ -42,6 +42,7 @@ from onca.device import DeviceProfile, free_memory
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._chunked_head import head_logits
 from onca.ops._matmul import accumulate_dw
+from onca.ops._partials import sum_scaled
 from onca.ops._validate import autocast_enabled, check_float, check_same_device, check_tensor
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.ops.jsd import (
@@ -52,7 +53,6 @@ from onca.ops.jsd import (
     gradient_view,
     jsd_rows,
     plan_divergence,
-    scaled_sum,
     token_scale,
 )
 from onca.tiling import ChunkPlan, RowPlan, plan_token_chunks
@@ -112,7 +112,7 @@ def fused_linear_jsd_forward(student_hidden: Tensor, student_weight: Tensor, tea
         dh.zero_()
         if dw is not None:
             dw.zero_()
-    loss = scaled_sum(row_loss, sh.dtype, scale)
+    loss = sum_scaled(row_loss, sh.dtype, factor=scale)
     return loss, dh, dw.to(sw.dtype) if dw is not None else sw.new_empty(0)
 
 

@@ -69,8 +69,8 @@ from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradient
 from onca.tiling import RowPlan, plan_rows
 
 __all__ = [
-    "jsd", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "gradient_view", "token_scale", "scaled_sum",
-    "check_beta", "check_temperature", "check_ignore_index", "check_labels",
+    "jsd", "REDUCTIONS", "plan", "plan_divergence", "jsd_rows", "gradient_view", "token_scale", "check_beta",
+    "check_temperature", "check_ignore_index", "check_labels",
 ]
 
 REDUCTIONS = ("none", "sum", "mean")
@@ -341,18 +341,10 @@ def token_scale(labels, rows: int, ignore_index: int, reduction: str, device) ->
     return count.reciprocal_().reshape(1)
 
 
-def scaled_sum(values: Tensor, dtype: torch.dtype, scale: float | Tensor) -> Tensor:
-    """``values.sum() * scale`` in one launch (:func:`onca.ops._partials.sum_scaled`), for a
-    :func:`token_scale` factor on the host or the device."""
-    if isinstance(scale, float):
-        return sum_scaled(values, dtype, scale)
-    return sum_scaled(values, dtype, factor=scale)
-
-
 def _reduce(row_loss: Tensor, scale: float | Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
     if reduction == "none":
         return row_loss.to(dtype)
-    return scaled_sum(row_loss, dtype, scale)
+    return sum_scaled(row_loss, dtype, factor=scale)
 
 
 @custom_op("jsd_forward")
