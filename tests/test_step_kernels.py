@@ -57,8 +57,15 @@ def test_each_variant_runs_and_leaves_nothing_patched(capsys, monkeypatch):
         return build(settings, config, variant, switches)
 
     monkeypatch.setattr(tool, "build_step", recording_build)
-    assert main(["--preset", "tiny", "--steps", "1", "onca", "onca:rope=off", "huggingface"]) == 0
+    traces = []
+    export = torch.profiler.profile.export_chrome_trace
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace",
+                        lambda self, path: (traces.append(path), export(self, path)))
+    # --gaps: each variant's host-traced profile is exported (its gaps are printed on a GPU only)
+    argv = ["--preset", "tiny", "--steps", "1", "--gaps", "2", "onca", "onca:rope=off", "huggingface"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("ms per step on the CPU") == 3, out
     assert seen == [True, True, True]
+    assert len(set(traces)) == 3, traces  # one trace per variant
     assert modeling.apply_rotary_pos_emb is original_rope

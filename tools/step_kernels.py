@@ -3,29 +3,34 @@ variant: where a step's time goes, and which kernels a gap between two variants 
 
     python -m tools.step_kernels --compile huggingface onca            # Qwen3-0.6B shape on a GPU
     python -m tools.step_kernels --compile onca onca:rope=off,mlp=off  # Onca with some switches off
+    python -m tools.step_kernels --compile onca --gaps 10                # where the device sat idle
     python -m tools.step_kernels --preset tiny --steps 1 huggingface onca   # a CPU check
 
 A variant is ``huggingface``, ``liger``, or ``onca`` with optional ``onca.apply`` switches after a
 colon (``onca:rope=off,rms_norm=off``). Each variant's model is built, patched, checkpointed and
 (``--compile``) compiled as ``onca compare`` does, trained three warm-up steps (compilation happens
 there), then profiled over ``--steps`` steps. Printed per variant: the wall time per step (steps
-synchronised, timed without the profiler), the peak memory, the kernels' device time per step grouped by kind
-(GEMM, attention, Onca's Triton kernels, inductor's Triton kernels, optimizer, copies and fills,
-other ATen kernels), and the ``--top`` kernels. Without a GPU the steps run on the CPU (Triton
-under the interpreter) and only the wall time and CPU ops are printed: a check, not a measurement.
+synchronised, timed without the profiler), the peak memory, the kernels' device time per step
+grouped by kind (GEMM, attention, Onca's Triton kernels, inductor's Triton kernels, optimizer,
+copies and fills, other ATen kernels), the ``--top`` kernels, and with ``--gaps N`` the span of a
+step against its kernels and the N longest idle gaps between kernels (as ``tools.kernel_times
+--gaps``). Without a GPU the steps run on the CPU (Triton under the interpreter) and only the wall
+time and CPU ops are printed: a check, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import tempfile
 import time
 
 import torch
 
 from onca.integrations.transformers import compare
-from tools.kernel_times import kernel_times
+from tools.kernel_times import kernel_times, print_gaps
 
 KINDS = ("gemm", "attention", "onca", "inductor", "optimizer", "copy/fill", "other")
 
@@ -141,7 +146,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=3, help="profiled (and separately timed) steps")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--gaps", type=int, default=0, metavar="N",
+                        help="also the span per step and the N longest idle gaps between kernels (a second, "
+                             "host-traced profile: its gaps are upper bounds)")
     args = parser.parse_args(argv)
+    trace_dir = tempfile.mkdtemp() if args.gaps else None
     variants = [parse_variant(v) for v in args.variants]
     cuda = torch.cuda.is_available()
     settings = compare.defaults_for("cuda" if cuda else "cpu")
@@ -156,13 +165,14 @@ def main(argv: list[str]) -> int:
           f"batch {settings.batch} x {settings.seq}, {str(settings.dtype).replace('torch.', '')}, checkpointing "
           f"{'on' if settings.gradient_checkpointing else 'off'}{', torch.compile' if settings.compile else ''}, "
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}", flush=True)
-    for text, (variant, switches) in zip(args.variants, variants):
+    for number, (text, (variant, switches)) in enumerate(zip(args.variants, variants)):
         model = step = None
         try:
             model, step = build_step(settings, config, variant, switches)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            rows = kernel_times(step, settings.device, args.steps)  # three warm-up steps first
+            trace_path = os.path.join(trace_dir, f"{number}-{variant}.json") if trace_dir else None
+            rows = kernel_times(step, settings.device, args.steps, trace_path)  # three warm-up steps first
             wall = wall_ms(step, cuda, args.steps)
             peak_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
         except Exception as exc:  # one failing variant does not hide the others
@@ -184,6 +194,8 @@ def main(argv: list[str]) -> int:
         print("   " + "  ".join(f"{k} {v / 1e3:.2f}" for k, v in totals.items()))
         for name, us, count in rows[:args.top]:
             print(f"  {us / 1e3:9.3f} ms  x{count:<6.1f} {kind(name, onca_names):10s} {name[:100]}")
+        if trace_path:
+            print_gaps(trace_path, args.steps, args.gaps)
         sys.stdout.flush()
     return 0
 
