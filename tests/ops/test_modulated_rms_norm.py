@@ -122,6 +122,33 @@ def test_column_tiled_path(profile, device, onchip_bytes, layout):
     check(*make(shape, torch.bfloat16, device, layout), casting="none" if layout == "token" else "llama")
 
 
+def test_gpu_backward_plan(device, monkeypatch):
+    """On a GPU profile, rows up to ``GPU_BACKWARD_TILE`` wide take backward tiles of that many
+    elements, two programs per compute unit (measured faster on an H100); wider rows keep the
+    planner's tile; a GPU profile's plans compute the same gradients (under the interpreter here)."""
+    from onca import device as onca_device
+    from onca.tiling import plan_rows
+
+    h100 = onca_device.profile_named("h100")
+    p = op._backward_plan(16384, 1024, torch.bfloat16, 4, h100)
+    tile = (p.block_rows * p.block_cols, p.num_warps, p.grid)
+    assert tile == (op.GPU_BACKWARD_TILE, 4, 2 * h100.compute_units)
+    wide = op._backward_plan(16384, 16384, torch.bfloat16, 4, h100)
+    assert wide == plan_rows(16384, 16384, torch.bfloat16, profile=h100, persistent=True, max_block_rows=4096,
+                             **op.BACKWARD_TILES)
+    ascend = onca_device.profile_named("ascend910b4")
+    assert op._backward_plan(64, 96, torch.float32, 2, ascend) == plan_rows(
+        64, 96, torch.float32, profile=ascend, persistent=True, max_block_rows=32, **op.BACKWARD_TILES)
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
+    onca_device.reset()
+    try:
+        assert op._backward_plan(1056, 64, torch.float32, 2).block_rows > 1  # several rows a tile
+        check(*make((2, 528, 64), torch.float32, device))
+    finally:
+        monkeypatch.delenv("ONCA_DEVICE_PROFILE")
+        onca_device.reset()
+
+
 def test_fp32_params_with_bf16_input(device):
     x, _, _, _ = make(BASE_SHAPE, torch.bfloat16, device)
     _, w, s, sh = make(BASE_SHAPE, torch.float32, device)
