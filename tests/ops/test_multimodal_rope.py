@@ -24,6 +24,7 @@ SHAPES = {
     "cpu": [
         (2, 5, 4, 2, 32, (4, 6, 6)),  # GQA, Qwen2-VL's proportions at head_dim 32
         (2, 4, 3, 1, 48, (2, 5, 5)),  # partial rotary (24 of 48), non-power-of-two half (12), odd heads
+        (1, 3, 2, 1, 32, (0, 9, 7)),  # an empty stream; sections ending off a vector's width
     ],
     "gpu": [
         (4, 2048, 28, 4, 128, (16, 24, 24)),  # Qwen2.5-VL-7B
