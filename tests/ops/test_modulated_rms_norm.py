@@ -142,8 +142,10 @@ def test_gpu_backward_plan(device, monkeypatch):
     monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
     onca_device.reset()
     try:
-        assert op._backward_plan(1056, 64, torch.float32, 2).block_rows > 1  # several rows a tile
-        check(*make((2, 528, 64), torch.float32, device))
+        # Tiles of 8 rows, two row blocks a program, one program's blocks in two modulation rows.
+        p = op._backward_plan(3000, 64, torch.float32, 3)
+        assert (p.block_rows, -(-p.row_blocks // p.grid)) == (8, 2) and (1000 // 8) % 2 == 1
+        check(*make((3, 1000, 64), torch.float32, device))
     finally:
         monkeypatch.delenv("ONCA_DEVICE_PROFILE")
         onca_device.reset()
