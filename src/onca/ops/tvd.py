@@ -185,9 +185,8 @@ def _factor(labels, rows: int, cols: int, ignore_index: int, reduction: str, dev
     if reduction in ("none", "sum"):
         return None, 1.0
     const = 1.0 / cols if reduction == "mean" else 1.0
-    if labels is None:
-        return None, const * (1.0 / rows if rows else float("nan"))
-    return token_scale(labels, rows, ignore_index, "mean", device), const
+    scale = token_scale(labels, rows, ignore_index, "mean", device)
+    return (None, const * scale) if isinstance(scale, float) else (scale, const)
 
 
 @custom_op("tvd_forward")
