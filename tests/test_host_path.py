@@ -18,8 +18,8 @@ LAUNCHES = {
     "fused_linear_orpo": 4, "fused_linear_scaled_cross_entropy": 2, "fused_linear_simpo": 4, "fused_moe": 8,
     "geglu": 2, "group_norm": 3, "grpo_loss": 2, "jsd": 3, "kl_div": 3, "layer_norm": 2, "llama4_rope": 2,
     "mhc": 10, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
-    "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rope": 2, "softmax": 2,
-    "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 3, "vocab_parallel_cross_entropy": 5,
+    "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rms_norm_rope": 2,
+    "rope": 2, "softmax": 2, "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 3, "vocab_parallel_cross_entropy": 5,
 }
 
 
@@ -31,7 +31,7 @@ def test_every_benchmarked_op_has_a_launch_count():
 # the op contract stopped autograd's zero fills, every norm launched one per statistic it returns).
 KERNELS_ONLY = ("attn_res", "fused_add_rms_norm", "fused_linear_jsd", "geglu", "group_norm", "jsd", "kl_div",
                 "layer_norm", "mhc", "modulated_rms_norm", "neighborhood_attention", "relu_squared", "rms_norm",
-                "softmax", "sparsemax", "swiglu", "tvd")
+                "rms_norm_rope", "softmax", "sparsemax", "swiglu", "tvd")
 
 
 # The torch kernels a kernels-only op's benchmark step still runs, and why. Fused add + RMSNorm's

@@ -30,6 +30,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
           "tests/ops/test_tiled_mlp.py"),
     "4": ("tests/ops/test_rope.py", "tests/ops/test_embedding.py", "tests/nn/test_embedding.py",
           "tests/ops/test_multimodal_rope.py", "tests/ops/test_llama4_rope.py",
+          "tests/ops/test_rms_norm_rope.py",
           "tests/ops/test_attn_res.py", "tests/nn/test_attn_res.py"),
     "5": ("tests/ops/test_cross_entropy.py", "tests/nn/test_cross_entropy.py",
           "tests/ops/test_fused_linear_cross_entropy.py", "tests/nn/test_fused_linear_cross_entropy.py",

@@ -40,6 +40,7 @@ from onca.ops.embedding import embedding
 from onca.ops.rope import rotary_pos_emb
 from onca.ops.multimodal_rope import multimodal_rope
 from onca.ops.llama4_rope import llama4_rope
+from onca.ops.rms_norm_rope import rms_norm_rope
 
 # Losses
 from onca.ops.cross_entropy import CrossEntropyOutput, cross_entropy
@@ -79,6 +80,7 @@ __all__ = [
     "rotary_pos_emb",
     "multimodal_rope",
     "llama4_rope",
+    "rms_norm_rope",
     "embedding",
     "attn_res",
     "cross_entropy",
