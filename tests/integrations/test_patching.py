@@ -33,12 +33,17 @@ def test_apply_patches_every_kernel_and_unapply_restores(device):
     modeling = family_of("qwen3").modeling()
     original_rope = modeling.apply_rotary_pos_emb
     onca.apply(model)
-    assert _patched_forwards(model) == ["fused_linear_cross_entropy", "mlp", "rms_norm"]
-    # Qwen3's q/k norms are patched too: 2 layers x (2 decoder norms + q_norm + k_norm) + final norm.
+    assert _patched_forwards(model) == ["fused_linear_cross_entropy", "mlp", "qk_norm_rope", "rms_norm"]
+    # Qwen3's attention normalises and rotates q and k in one op: its q/k norms and its RoPE
+    # function are never called, and left as they are. 2 layers x 2 decoder norms + the final norm.
+    assert model._onca_kernels["rms_norm"] == 2 * 2 + 1 and model._onca_kernels["qk_norm_rope"] == 2
+    assert "rope" not in model._onca_kernels and modeling.apply_rotary_pos_emb is original_rope
+    onca.apply(model)  # twice: harmless
+    assert model._onca_kernels["rms_norm"] == 5
+    onca.unapply(model)
+    onca.apply(model, qk_norm_rope=False)  # apart: the q/k norms (2 x 2 more) and RoPE's function
     assert model._onca_kernels["rms_norm"] == 2 * 4 + 1
     assert modeling.apply_rotary_pos_emb.__onca__ == "rope"
-    onca.apply(model)  # twice: harmless
-    assert model._onca_kernels["rms_norm"] == 9
     onca.unapply(model)
     assert _patched_forwards(model) == []
     assert modeling.apply_rotary_pos_emb is original_rope
@@ -318,3 +323,51 @@ def test_eager_setting_runs_the_models_own_code_while_compiling(route, monkeypat
     finally:
         onca.unapply(model) if route == "apply" else onca.unapply_to("llama")
     assert modeling.LlamaRMSNorm.forward is original
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_qk_norm_rope_attention_computes_the_models_own(model_type, use_cache, device, monkeypatch):
+    """The fused q/k norm + RoPE attention gives the model's loss and gradients, with or without
+    a KV cache filled as it goes (a training forward that left ``use_cache`` on), and the same
+    greedy generation."""
+    from onca import functional as OF
+
+    if not FAMILIES[model_type].available():
+        pytest.skip(f"the installed transformers has no {model_type}")
+    reference = _model(model_type, device)
+    model = copy.deepcopy(reference)
+    onca.apply(model, rms_norm=False, mlp=False, rope=False, fused_linear_cross_entropy=False)
+    assert model._onca_kernels == {"qk_norm_rope": 2}
+    calls = []
+    fused = OF.rms_norm_rope
+    monkeypatch.setattr(OF, "rms_norm_rope", lambda *a, **k: calls.append(a[0].shape) or fused(*a, **k))
+    ids = torch.randint(0, 256, (2, 12), device=device)
+    losses = []
+    for m in (reference, model):
+        loss = m(input_ids=ids, labels=ids, use_cache=use_cache).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert len(calls) == 2  # q and k together, in each of the two layers
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    prompt = ids[:, :4]
+    for m in (reference, model):  # generate's router loss is transformers' own (it fails on a GPU)
+        m.config.output_router_logits = False
+    assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False),
+                       reference.generate(prompt, max_new_tokens=3, do_sample=False))
+
+
+def test_a_family_without_fusable_q_k_norms_is_refused_by_name(monkeypatch):
+    from onca.integrations.transformers import forwards
+
+    monkeypatch.setattr(forwards, "qk_norm_fusable", lambda module: False)
+    model = _model("qwen3")
+    with pytest.raises(ValueError, match="found no Qwen3Attention with q/k RMSNorms.*qk_norm_rope=False"):
+        onca.apply(model)
+    assert _patched_forwards(model) == []
+    onca.apply(model, qk_norm_rope=False)
+    onca.unapply(model)

@@ -64,6 +64,9 @@ class Family:
     aux_loss: bool = False
     # Sub-configs whose families' entries join this one's (a multimodal model built from others).
     parts: tuple[str, ...] = ()
+    # ``{prefix}Attention`` normalises each head of q and k (an RMSNorm) before RoPE: Onca's
+    # attention forward fuses the two (``rms_norm_rope``).
+    qk_norm: bool = False
 
     def modeling(self):
         return importlib.import_module(f"transformers.models.{self.module}")
@@ -88,6 +91,11 @@ class Family:
     @property
     def mlp_class(self) -> str:
         return f"{self.prefix}MLP"
+
+    @property
+    def attention_class(self) -> str | None:
+        """The attention class whose q/k norms and RoPE Onca fuses (None: the family has none)."""
+        return f"{self.prefix}Attention" if self.qk_norm else None
 
     @property
     def experts_class(self) -> str:
@@ -133,13 +141,14 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", "mistral.modeling_mistral", "Mistral"),
         Family("mixtral", "mixtral.modeling_mixtral", "Mixtral", experts=True, aux_loss=True),
         Family("qwen2", "qwen2.modeling_qwen2", "Qwen2"),
-        Family("qwen3", "qwen3.modeling_qwen3", "Qwen3"),
-        Family("qwen3_moe", "qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", experts=True, aux_loss=True),
+        Family("qwen3", "qwen3.modeling_qwen3", "Qwen3", qk_norm=True),
+        Family("qwen3_moe", "qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", experts=True, aux_loss=True,
+               qk_norm=True),
         Family("gemma", "gemma.modeling_gemma", "Gemma", norm="gemma", mlp="geglu"),
         Family("gemma2", "gemma2.modeling_gemma2", "Gemma2", norm="gemma", mlp="geglu",
                softcap_attr="final_logit_softcapping"),
         Family("gemma3_text", "gemma3.modeling_gemma3", "Gemma3", norm="gemma", mlp="geglu",
-               softcap_attr="final_logit_softcapping"),
+               softcap_attr="final_logit_softcapping", qk_norm=True),
         Family("phi3", "phi3.modeling_phi3", "Phi3", mlp="phi3"),
         Family("olmo2", "olmo2.modeling_olmo2", "Olmo2", norm="olmo2", rope="cast_back"),
         Family("granite", "granite.modeling_granite", "Granite", logits_scaling_attr="logits_scaling"),
@@ -186,7 +195,7 @@ FAMILIES: dict[str, Family] = {
         # Pixtral is a vision encoder (LLaVA's and Mistral 3's): RMSNorm, gated MLP, 2-D RoPE; no head.
         _vl("pixtral", "pixtral.modeling_pixtral", "Pixtral", None, mlp="gated"),
         _vl("gemma3", "gemma3.modeling_gemma3", "Gemma3", "Gemma3ForConditionalGeneration", norm="gemma",
-            mlp="geglu", softcap_attr="final_logit_softcapping"),
+            mlp="geglu", softcap_attr="final_logit_softcapping", qk_norm=True),
         _vl("gemma4", "gemma4.modeling_gemma4", "Gemma4", "Gemma4ForConditionalGeneration", norm="gemma4",
             mlp=None, mlps=(("Gemma4TextMLP", "geglu"),), softcap_attr="final_logit_softcapping", rope=None),
         _vl("paligemma", "paligemma.modeling_paligemma", "PaliGemma", "PaliGemmaForConditionalGeneration",

@@ -345,6 +345,92 @@ mark_onca(rotary_pos_emb_cast_back, "rope")
 mark_onca(llama4_rotary_emb, "rope")
 
 
+# ------------------------------------------------------------------------- q/k norm + RoPE attention
+
+# A q/k norm's arithmetic -> the fused op's (offset, casting_mode).
+_QK_NORM_OPTIONS = {"llama": (0.0, "llama"), "olmo2": (0.0, "gemma"), "gemma": (1.0, "gemma")}
+# The names transformers versions give the attention's KV cache argument.
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+
+
+def qk_norm_fusable(module) -> bool:
+    """Whether an attention module normalises each head of q and k with an RMSNorm Onca knows
+    before rotating them (Qwen3's and Gemma 3's attention): what the fused forward replaces."""
+    norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
+    if any(n is None or getattr(n, "weight", None) is None for n in norms):
+        return False
+    q_norm, k_norm = norms  # one op for both: one arithmetic and one epsilon
+    return (rms_norm_arithmetic(type(q_norm)) in _QK_NORM_OPTIONS and type(k_norm) is type(q_norm)
+            and _norm_eps(q_norm) == _norm_eps(k_norm)
+            and all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
+                                                       "scaling", "config")))
+
+
+def make_qk_norm_attention_forward(original_forward, eager_attention):
+    """The attention forward of a family that normalises each head of q and k before RoPE, with the
+    norm and the rotation as one Onca op per tensor (``rms_norm_rope``): the normalised heads are
+    neither written nor read back between them, in either direction. The rest is transformers'
+    forward: the KV cache's update, the attention implementation the config names, the output
+    projection. Tables that are not one full-width ``(1 or batch, seq, head_dim)`` pair (partial
+    rotary), or extra positional arguments, run transformers' own ``original_forward``."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        if args or cos is None or cos.dim() != 3 or cos.shape[-1] != self.head_dim:
+            return original_forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        caches = [kwargs.pop(name) for name in _CACHE_ARGUMENTS if name in kwargs]
+        cache = next((c for c in caches if c is not None), None)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query, key = _normed_rotated(self.q_norm, self.k_norm, self.q_proj(hidden_states).view(hidden_shape),
+                                     self.k_proj(hidden_states).view(hidden_shape), cos, sin)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if cache is not None:
+            key, value = _update_cache(cache, key, value, self.layer_idx, cos, sin, kwargs)
+        attention = _attention_interface(self.config._attn_implementation, eager_attention)
+        output, weights = attention(
+            self, query, key, value, attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+            sliding_window=getattr(self, "sliding_window", None), **kwargs,
+        )
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+    return mark_onca(forward, "qk_norm_rope")
+
+
+def _update_cache(cache, key, value, layer_idx, cos, sin, kwargs):
+    """``cache.update`` as the installed transformers' attention calls it: with a ``cache_kwargs``
+    dict (up to 5.1x), or with the attention's keyword arguments (later versions)."""
+    if _cache_takes_dict(type(cache)):
+        return cache.update(key, value, layer_idx, {"sin": sin, "cos": cos,
+                                                    "cache_position": kwargs.get("cache_position")})
+    return cache.update(key, value, layer_idx, kwargs=kwargs)
+
+
+@torch.compiler.assume_constant_result
+def _cache_takes_dict(cache_class) -> bool:
+    return "cache_kwargs" in inspect.signature(cache_class.update).parameters
+
+
+def _normed_rotated(q_norm, k_norm, query, key, cos, sin):
+    """``query`` and ``key`` (``(batch, seq, heads, head_dim)``) normalised by ``q_norm`` and
+    ``k_norm`` and rotated, as attention takes them: ``(batch, heads, seq, head_dim)``. Their
+    gradients are the attention's own intermediates: the backward writes over them."""
+    offset, casting = _QK_NORM_OPTIONS[rms_norm_arithmetic(type(q_norm))]
+    query, key = OF.rms_norm_rope(query, key, q_norm.weight, k_norm.weight, cos, sin, _norm_eps(q_norm),
+                                  offset, casting, overwrite_grad_output=True)
+    return query.transpose(1, 2), key.transpose(1, 2)
+
+
+def _attention_interface(implementation, eager_attention):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    get_interface = getattr(ALL_ATTENTION_FUNCTIONS, "get_interface", None)
+    if get_interface is not None:
+        return get_interface(implementation, eager_attention)
+    return eager_attention if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
+
+
 def rope_for(family: Family):
     """The function Onca puts in place of ``family.rope_function`` for ``family.rope``."""
     return {"promoted": rotary_pos_emb, "cast_back": rotary_pos_emb_cast_back,

@@ -18,7 +18,7 @@ import torch
 from onca.integrations.transformers import forwards
 from onca.integrations.transformers.families import FAMILIES, Family, family_of, supported_model_types
 
-KERNELS = ("rms_norm", "layer_norm", "mlp", "rope", "fused_linear_cross_entropy")
+KERNELS = ("rms_norm", "layer_norm", "mlp", "rope", "qk_norm_rope", "fused_linear_cross_entropy")
 
 # Originals of the module-level functions and class methods Onca replaced: (owner, name) -> value.
 _ORIGINALS: dict[tuple[object, str], object] = {}
@@ -88,7 +88,9 @@ def _patch_instance(module, attr: str, function) -> None:
 def apply(model, **kernels) -> torch.nn.Module:
     """Patch an already-built Hugging Face model in place with Onca's kernels; returns the model.
 
-    Switch kernels off by keyword: ``rms_norm``, ``layer_norm``, ``mlp``, ``rope``,
+    Switch kernels off by keyword: ``rms_norm``, ``layer_norm``, ``mlp``, ``rope``, ``qk_norm_rope``
+    (attention layers that normalise each head of q and k before RoPE, as Qwen3's and Gemma 3's:
+    the norms and the rotation as one op, in place of ``rms_norm`` and ``rope`` there),
     ``fused_linear_cross_entropy`` (all on by default), each True, False or ``"eager"``: Onca's
     kernel except under torch.compile, where the layer runs the model's own code for inductor to
     fuse. ``rms_norm`` and ``mlp`` default to ``"eager"`` (measured faster under inductor; see
@@ -103,7 +105,7 @@ def apply(model, **kernels) -> torch.nn.Module:
     family = family_of(_model_type(model))
     members = families_in(family, model.config)
     patches, counts = _instance_patches(model, family, members, use)
-    ropes = _rope_patches(members) if use["rope"] else []
+    ropes = _rope_patches([m for m in members if not _rope_fused(m, use)]) if use["rope"] else []
     for module, attr, function in patches:
         _patch_instance(module, attr, function)
     for modeling, name, function in ropes:
@@ -139,6 +141,12 @@ def families_in(family: Family, config) -> list[Family]:
     return members
 
 
+def _rope_fused(member: Family, use: dict) -> bool:
+    """Whether ``member``'s attention always runs Onca's q/k norm + RoPE op (compiled too): its
+    RoPE function and its q/k norms' forwards are then never called, and not patched."""
+    return member.qk_norm and use["qk_norm_rope"] is True
+
+
 def _rope_patches(members: list[Family]) -> list[tuple[object, str, object]]:
     patches = []
     for member in members:
@@ -153,15 +161,18 @@ def _rope_patches(members: list[Family]) -> list[tuple[object, str, object]]:
     return patches
 
 
-def _tables(members: list[Family]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
-    """Class name -> norm arithmetic, class name -> MLP kind, and experts class -> layout, over ``members``."""
-    norms, mlps, experts = {}, {}, {}
+def _tables(members: list[Family]) -> tuple[dict, dict, dict, dict]:
+    """Class name -> norm arithmetic, class name -> MLP kind, experts class -> layout, and q/k-norm
+    attention class -> its family, over ``members``."""
+    norms, mlps, experts, attentions = {}, {}, {}, {}
     for member in members:
         norms.update(member.norm_classes)
         mlps.update(member.mlp_classes)
         if member.experts:
             experts[member.experts_class] = member.experts_layout
-    return norms, mlps, experts
+        if member.qk_norm:
+            attentions[member.attention_class] = member
+    return norms, mlps, experts, attentions
 
 
 def _experts_patches(owner, layout: str) -> list[tuple[str, object]]:
@@ -184,11 +195,20 @@ def _instance_patches(model, family: Family, members: list[Family], use: dict[st
     kernel; raises, before anything is patched, where the model cannot take a selected kernel."""
     patches = []
     counts = {name: 0 for name in KERNELS}
-    norms, mlps, experts = _tables(members)
+    norms, mlps, experts, attentions = _tables(members)
+    fused_norms = set()  # the q/k norms of attentions whose fused forward never calls them
     for module in model.modules():
         name = type(module).__name__
         arithmetic = norms.get(name)
-        if arithmetic is not None:
+        if use["qk_norm_rope"] and name in attentions and forwards.qk_norm_fusable(module):
+            patches.append(_setting(use["qk_norm_rope"], module, "forward", _attention_forward(
+                attentions[name], _forward_of(module))))
+            counts["qk_norm_rope"] += 1
+            if _rope_fused(attentions[name], use):
+                fused_norms.update((id(module.q_norm), id(module.k_norm)))
+        elif id(module) in fused_norms:
+            continue
+        elif arithmetic is not None:
             kernel = _norm_kernel(arithmetic)
             if use[kernel]:
                 patches.append(_setting(use[kernel], module, "forward", forwards.NORM_LAYERS[arithmetic].forward))
@@ -213,6 +233,9 @@ def _instance_patches(model, family: Family, members: list[Family], use: dict[st
         patches.append((model, "forward", forwards.make_causal_lm_forward(
             family, _current_forward(model), _forward_of(model))))
         counts["fused_linear_cross_entropy"] = 1
+    if use["qk_norm_rope"] and attentions and counts["qk_norm_rope"] == 0:
+        raise ValueError(f"onca.apply found no {' or '.join(sorted(attentions))} with q/k RMSNorms in this "
+                         f"{family.model_type} model; pass qk_norm_rope=False")
     rms_classes = sorted(n for n, a in norms.items() if _norm_kernel(a) == "rms_norm")
     if use["rms_norm"] and rms_classes and counts["rms_norm"] == 0:
         raise ValueError(f"onca.apply found no {' or '.join(rms_classes)} in this {family.model_type} model; "
@@ -221,6 +244,12 @@ def _instance_patches(model, family: Family, members: list[Family], use: dict[st
         raise ValueError(f"onca.apply found no {' or '.join(sorted({*mlps, *experts}))} in this "
                          f"{family.model_type} model; this transformers version may name it differently")
     return patches, counts
+
+
+def _attention_forward(family: Family, original):
+    """Onca's q/k norm + RoPE attention forward over ``original``, with the family's eager attention
+    for ``attn_implementation="eager"``."""
+    return forwards.make_qk_norm_attention_forward(original, family.modeling().eager_attention_forward)
 
 
 def _setting(setting: bool | str, owner, attr: str, function) -> tuple:
@@ -291,7 +320,12 @@ def apply_to(model_type: str, **kernels) -> Family:
         causal_lm = _class_of(modeling, family.causal_lm_class)
         original = _ORIGINALS.get((causal_lm, "forward"), causal_lm.forward)
         patches.append((causal_lm, "forward", forwards.make_causal_lm_forward(family, original, original)))
-    if use["rope"]:
+    if use["qk_norm_rope"] and family.qk_norm:
+        attention = _class_of(modeling, family.attention_class)
+        original = _ORIGINALS.get((attention, "forward"), attention.forward)
+        patches.append(_setting(use["qk_norm_rope"], attention, "forward",
+                                _attention_forward(family, original)))
+    if use["rope"] and not _rope_fused(family, use):
         patches += _rope_patches([family])
     for owner, attr, replacement in patches:
         _patch_global(owner, attr, replacement)
@@ -300,7 +334,8 @@ def apply_to(model_type: str, **kernels) -> Family:
 
 def _family_classes(family: Family) -> list[str]:
     return [*family.norm_classes, *family.mlp_classes, family.experts_class,
-            *([family.causal_lm_class] if family.causal_lm_class else [])]
+            *([family.causal_lm_class] if family.causal_lm_class else []),
+            *([family.attention_class] if family.qk_norm else [])]
 
 
 def unapply_to(model_type: str) -> None:
