@@ -371,3 +371,18 @@ def test_a_family_without_fusable_q_k_norms_is_refused_by_name(monkeypatch):
     assert _patched_forwards(model) == []
     onca.apply(model, qk_norm_rope=False)
     onca.unapply(model)
+
+
+def test_an_attention_the_fused_forward_cannot_reproduce_keeps_its_own():
+    """q/k norms of different epsilons or classes, or an attention logit soft-cap, are not the fused
+    op's: such a layer is not taken."""
+    from onca.integrations.transformers import forwards
+
+    model = _model("gemma3_text")
+    attention = model.model.layers[0].self_attn
+    assert forwards.qk_norm_fusable(attention)
+    attention.attn_logit_softcapping = 50.0
+    assert not forwards.qk_norm_fusable(attention)
+    attention.attn_logit_softcapping = None
+    attention.k_norm.eps = attention.q_norm.eps * 2
+    assert not forwards.qk_norm_fusable(attention)

@@ -360,15 +360,17 @@ def qk_norm_fusable(module) -> bool:
     if any(n is None or getattr(n, "weight", None) is None for n in norms):
         return False
     q_norm, k_norm = norms  # one op for both: one arithmetic and one epsilon
+    # An attention logit soft-cap (Gemma 2's; None in Gemma 3's configs) is the model's own forward's.
     return (rms_norm_arithmetic(type(q_norm)) in _QK_NORM_OPTIONS and type(k_norm) is type(q_norm)
             and _norm_eps(q_norm) == _norm_eps(k_norm)
+            and getattr(module, "attn_logit_softcapping", None) is None
             and all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
                                                        "scaling", "config")))
 
 
 def make_qk_norm_attention_forward(original_forward, eager_attention):
     """The attention forward of a family that normalises each head of q and k before RoPE, with the
-    norm and the rotation as one Onca op per tensor (``rms_norm_rope``): the normalised heads are
+    norms and the rotation of both as one Onca op (``rms_norm_rope``): the normalised heads are
     neither written nor read back between them, in either direction. The rest is transformers'
     forward: the KV cache's update, the attention implementation the config names, the output
     projection. Tables that are not one full-width ``(1 or batch, seq, head_dim)`` pair (partial
@@ -400,7 +402,8 @@ def make_qk_norm_attention_forward(original_forward, eager_attention):
 
 def _update_cache(cache, key, value, layer_idx, cos, sin, kwargs):
     """``cache.update`` as the installed transformers' attention calls it: with a ``cache_kwargs``
-    dict (up to 5.1x), or with the attention's keyword arguments (later versions)."""
+    dict where the cache's ``update`` takes one (older transformers), else with the attention's
+    keyword arguments."""
     if _cache_takes_dict(type(cache)):
         return cache.update(key, value, layer_idx, {"sin": sin, "cos": cos,
                                                     "cache_position": kwargs.get("cache_position")})
