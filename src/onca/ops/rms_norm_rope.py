@@ -1,7 +1,7 @@
 """Per-head RMSNorm, then RoPE, of q and k in one pass: ``rope(rms_norm(x) * (offset + w), cos, sin)``.
 
 This is the q/k path of attention layers that normalise each head before rotating it (Qwen3,
-Qwen3-MoE, Gemma 3: ``apply_rotary_pos_emb(q_norm(q).transpose(1, 2), ...)``). Apart, the norm
+Qwen3-MoE, Qwen3-VL's language model, Gemma 3: ``apply_rotary_pos_emb(q_norm(q).transpose(1, 2), ...)``). Apart, the norm
 writes its output and RoPE reads it back, and in the backward RoPE's gradient is written and read
 back by the norm's backward: one round trip of the heads' bytes per pass, which this op saves. Under
 ``torch.compile`` the two are an inductor kernel and an opaque op that inductor cannot fuse.

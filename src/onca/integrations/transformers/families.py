@@ -64,9 +64,10 @@ class Family:
     aux_loss: bool = False
     # Sub-configs whose families' entries join this one's (a multimodal model built from others).
     parts: tuple[str, ...] = ()
-    # ``{prefix}Attention`` normalises each head of q and k (an RMSNorm) before RoPE: Onca's
-    # attention forward fuses the two (``rms_norm_rope``).
+    # ``{prefix}Attention`` (``attention_name`` where given) normalises each head of q and k (an
+    # RMSNorm) before RoPE: Onca's attention forward fuses the two (``rms_norm_rope``).
     qk_norm: bool = False
+    attention_name: str | None = None
 
     def modeling(self):
         return importlib.import_module(f"transformers.models.{self.module}")
@@ -95,7 +96,9 @@ class Family:
     @property
     def attention_class(self) -> str | None:
         """The attention class whose q/k norms and RoPE Onca fuses (None: the family has none)."""
-        return f"{self.prefix}Attention" if self.qk_norm else None
+        if not self.qk_norm:
+            return None
+        return self.attention_name or f"{self.prefix}Attention"
 
     @property
     def experts_class(self) -> str:
@@ -205,10 +208,12 @@ FAMILIES: dict[str, Family] = {
         _vl("qwen2_5_vl", "qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLForConditionalGeneration",
             mlp="gated", mlps=(("Qwen2MLP", "swiglu"),)),
         _vl("qwen3_vl", "qwen3_vl.modeling_qwen3_vl", "Qwen3VL", "Qwen3VLForConditionalGeneration", norm=None,
-            mlp=None, norms=(("Qwen3VLTextRMSNorm", "llama"),), mlps=(("Qwen3VLTextMLP", "swiglu"),)),
+            mlp=None, norms=(("Qwen3VLTextRMSNorm", "llama"),), mlps=(("Qwen3VLTextMLP", "swiglu"),),
+            qk_norm=True, attention_name="Qwen3VLTextAttention"),
         _vl("qwen3_vl_moe", "qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoe", "Qwen3VLMoeForConditionalGeneration",
             norm=None, mlp=None, norms=(("Qwen3VLMoeTextRMSNorm", "llama"),), mlps=(("Qwen3VLMoeTextMLP", "swiglu"),),
-            experts=True, experts_name="Qwen3VLMoeTextExperts", aux_loss=True),
+            experts=True, experts_name="Qwen3VLMoeTextExperts", aux_loss=True, qk_norm=True,
+            attention_name="Qwen3VLMoeTextAttention"),
         _vl("glm4v", "glm4v.modeling_glm4v", "Glm4v", "Glm4vForConditionalGeneration", mlp=None,
             mlps=(("Glm4vTextMLP", "phi3"),), rope=None),
         _vl("glm4v_moe", "glm4v_moe.modeling_glm4v_moe", "Glm4vMoe", "Glm4vMoeForConditionalGeneration",
