@@ -261,3 +261,29 @@ def test_patched_multimodal_family_adds_no_graph_break(model_type, device, monke
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_qk_norm_rope_eager_setting_hands_the_attention_back_under_compile(device, monkeypatch):
+    """``qk_norm_rope="eager"``: the fused op runs eagerly; the compiled graph has the attention's own
+    forward, with RoPE patched apart (its function is then called) and the norms the model's."""
+    from onca.ops._contract import Op
+
+    model = onca.apply(_model("qwen3", device), qk_norm_rope="eager")
+    assert "rope" in model._onca_kernels and model._onca_kernels["qk_norm_rope"] == 2
+    tokens = _tokens(model, device)
+
+    def step(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    eager_ops = set()
+    with monkeypatch.context() as patch:
+        call = Op.__call__
+        patch.setattr(Op, "__call__", lambda op, *args: eager_ops.add(op.name) or call(op, *args))
+        expected_loss, _ = _loss_and_grads(model, step, tokens)
+    assert KERNEL_OPS["qk_norm_rope"] & eager_ops and not KERNEL_OPS["rope"] & eager_ops, sorted(eager_ops)
+    torch._dynamo.reset()
+    recorder = _GraphRecorder()
+    loss, _ = _loss_and_grads(model, torch.compile(step, backend=recorder, fullgraph=True), tokens)
+    assert recorder.graphs == 1
+    assert KERNEL_OPS["rope"] & recorder.onca_ops and not KERNEL_OPS["qk_norm_rope"] & recorder.onca_ops
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)

@@ -386,3 +386,29 @@ def test_an_attention_the_fused_forward_cannot_reproduce_keeps_its_own():
     attention.attn_logit_softcapping = None
     attention.k_norm.eps = attention.q_norm.eps * 2
     assert not forwards.qk_norm_fusable(attention)
+
+
+def test_apply_to_fuses_the_q_k_norms_and_rope_in_the_attention_class(monkeypatch):
+    """``apply_to`` patches Qwen3's attention class (its RoPE function stays transformers': never
+    called), a model built afterwards computes its own loss through the fused op, and
+    ``unapply_to`` restores the class."""
+    from onca import functional as OF
+
+    modeling = family_of("qwen3").modeling()
+    attention_forward, rope = modeling.Qwen3Attention.forward, modeling.apply_rotary_pos_emb
+    reference = _model("qwen3")
+    ids = torch.randint(0, 256, (2, 12))
+    expected = reference(input_ids=ids, labels=ids).loss
+    calls = []
+    fused = OF.rms_norm_rope
+    monkeypatch.setattr(OF, "rms_norm_rope", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    try:
+        onca.apply_to("qwen3", rms_norm=False, mlp=False, fused_linear_cross_entropy=False)
+        assert modeling.Qwen3Attention.forward.__onca__ == "qk_norm_rope"
+        assert modeling.apply_rotary_pos_emb is rope
+        model = _model("qwen3")
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, expected, rtol=1e-5, atol=1e-5)
+        assert len(calls) == 2  # one op per layer, q and k together
+    finally:
+        onca.unapply_to("qwen3")
+    assert modeling.Qwen3Attention.forward is attention_forward
