@@ -133,13 +133,23 @@ def test_patched_family_compiles_fullgraph(model_type, device):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _eager_ops_and_result(model, step, tokens, monkeypatch):
+    """The Onca ops an eager run of ``step`` calls (by name), and its loss and gradients."""
+    from onca.ops._contract import Op
+
+    eager_ops = set()
+    with monkeypatch.context() as patch:
+        call = Op.__call__
+        patch.setattr(Op, "__call__", lambda op, *args: eager_ops.add(op.name) or call(op, *args))
+        result = _loss_and_grads(model, step, tokens)
+    return eager_ops, result
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "qwen3_moe"])
 def test_norms_and_mlp_are_the_models_own_code_under_compile(model_type, device, monkeypatch):
     """By default (``"eager"``) the patched norms and MLP run Onca's kernels eagerly and the
     model's own code in the compiled graph, beside Onca's RoPE and fused loss; that graph computes
     the eager loss and gradients (up to the norms' rounding)."""
-    from onca.ops._contract import Op
-
     model = onca.apply(_model(model_type, device))
     if model_type in NO_ROUTER_LOGITS:
         model.config.output_router_logits = False
@@ -148,11 +158,7 @@ def test_norms_and_mlp_are_the_models_own_code_under_compile(model_type, device,
     def step(ids):
         return model(input_ids=ids, labels=ids).loss
 
-    eager_ops = set()
-    with monkeypatch.context() as patch:
-        call = Op.__call__
-        patch.setattr(Op, "__call__", lambda op, *args: eager_ops.add(op.name) or call(op, *args))
-        expected_loss, expected_grads = _loss_and_grads(model, step, tokens)
+    eager_ops, (expected_loss, expected_grads) = _eager_ops_and_result(model, step, tokens, monkeypatch)
     assert KERNEL_OPS["rms_norm"] & eager_ops and KERNEL_OPS["mlp"] & eager_ops, sorted(eager_ops)
     torch._dynamo.reset()
     recorder = _GraphRecorder()
@@ -266,8 +272,6 @@ def test_patched_multimodal_family_adds_no_graph_break(model_type, device, monke
 def test_qk_norm_rope_eager_setting_hands_the_attention_back_under_compile(device, monkeypatch):
     """``qk_norm_rope="eager"``: the fused op runs eagerly; the compiled graph has the attention's own
     forward, with RoPE patched apart (its function is then called) and the norms the model's."""
-    from onca.ops._contract import Op
-
     model = onca.apply(_model("qwen3", device), qk_norm_rope="eager")
     assert "rope" in model._onca_kernels and model._onca_kernels["qk_norm_rope"] == 2
     tokens = _tokens(model, device)
@@ -275,11 +279,7 @@ def test_qk_norm_rope_eager_setting_hands_the_attention_back_under_compile(devic
     def step(ids):
         return model(input_ids=ids, labels=ids).loss
 
-    eager_ops = set()
-    with monkeypatch.context() as patch:
-        call = Op.__call__
-        patch.setattr(Op, "__call__", lambda op, *args: eager_ops.add(op.name) or call(op, *args))
-        expected_loss, _ = _loss_and_grads(model, step, tokens)
+    eager_ops, (expected_loss, _) = _eager_ops_and_result(model, step, tokens, monkeypatch)
     assert KERNEL_OPS["qk_norm_rope"] & eager_ops and not KERNEL_OPS["rope"] & eager_ops, sorted(eager_ops)
     torch._dynamo.reset()
     recorder = _GraphRecorder()

@@ -12,6 +12,7 @@ from onca.ops.rms_norm_rope import rms_norm_rope
 from onca.ops.rope import rotary_pos_emb
 from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, randn, rounded
+from tests.ops.test_rms_norm import reference as rms_norm_reference
 
 CASTINGS = ("llama", "gemma", "none")
 
@@ -37,17 +38,11 @@ def tables(batch, seq, head_dim, dtype, device, per_batch=False):
 def reference(x, w, cos, sin, eps=1e-6, offset=0.0, casting="llama"):
     """float64, rounding as the modules do: the norm's output in x's dtype, then the rotation of
     that in the promoted dtype (rounded once here; the kernel computes it in fp32)."""
-    x64 = x.detach().to(torch.float64).requires_grad_(True)
-    w64 = None if w is None else w.detach().to(torch.float64).requires_grad_(True)
-    n = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
-    if w64 is None:
-        y = n
-    elif casting == "llama":
-        y = rounded(n, x.dtype) * (offset + w64)
-    elif casting == "gemma":
-        y = n * (offset + w64)
-    else:
-        y = rounded(n, x.dtype) * rounded(offset + w64, x.dtype)
+    if w is None:
+        x64, w64 = x.detach().to(torch.float64).requires_grad_(True), None
+        y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    else:  # RMSNorm's own reference, casting modes and all
+        y, x64, w64 = rms_norm_reference(x, w, eps, offset, casting)
     y = rounded(y, x.dtype)
     c = (cos if cos.dim() == 3 else cos[None]).to(torch.float64)[:, :, None, :]
     s = (sin if sin.dim() == 3 else sin[None]).to(torch.float64)[:, :, None, :]
