@@ -21,4 +21,4 @@ def _restore_process_wide_patches():
     for (owner, name), original in list(patch._ORIGINALS.items()):
         setattr(owner, name, original)
     patch._ORIGINALS.clear()
-    patch._ROPE_USERS.clear()
+    patch._GLOBAL_USERS.clear()

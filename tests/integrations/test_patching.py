@@ -31,9 +31,11 @@ def test_apply_patches_every_kernel_and_unapply_restores(device):
     x = torch.randint(0, 256, (2, 12), device=device)
     before = model(input_ids=x, labels=x).loss.item()
     modeling = family_of("qwen3").modeling()
-    original_rope = modeling.apply_rotary_pos_emb
+    original_rope, original_mask = modeling.apply_rotary_pos_emb, modeling.create_causal_mask
     onca.apply(model)
-    assert _patched_forwards(model) == ["fused_linear_cross_entropy", "mlp", "qk_norm_rope", "rms_norm"]
+    assert _patched_forwards(model) == ["causal_mask", "fused_linear_cross_entropy", "mlp", "qk_norm_rope",
+                                        "rms_norm"]
+    assert model._onca_kernels["causal_mask"] == 1 and modeling.create_causal_mask.__onca__ == "causal_mask"
     # Qwen3's attention normalises and rotates q and k in one op: its q/k norms and its RoPE
     # function are never called, and left as they are. 2 layers x 2 decoder norms + the final norm.
     assert model._onca_kernels["rms_norm"] == 2 * 2 + 1 and model._onca_kernels["qk_norm_rope"] == 2
@@ -46,13 +48,13 @@ def test_apply_patches_every_kernel_and_unapply_restores(device):
     assert modeling.apply_rotary_pos_emb.__onca__ == "rope"
     onca.unapply(model)
     assert _patched_forwards(model) == []
-    assert modeling.apply_rotary_pos_emb is original_rope
+    assert modeling.apply_rotary_pos_emb is original_rope and modeling.create_causal_mask is original_mask
     assert model(input_ids=x, labels=x).loss.item() == pytest.approx(before, rel=1e-6)
 
 
 def test_switches_turn_kernels_off():
     model = onca.apply(_model("llama"), rope=False, fused_linear_cross_entropy=False)
-    assert _patched_forwards(model) == ["mlp", "rms_norm"]
+    assert _patched_forwards(model) == ["causal_mask", "mlp", "rms_norm"]
     onca.unapply(model)
     with pytest.raises(TypeError, match="unknown Onca kernel switch"):
         onca.apply(_model("llama"), swiglu=False)
@@ -80,7 +82,7 @@ def test_a_refused_apply_patches_nothing():
     assert _patched_forwards(base) == [] and not hasattr(base, "_onca_kernels")
     assert family_of("llama").modeling().apply_rotary_pos_emb is rope
     onca.apply(base, fused_linear_cross_entropy=False)
-    assert _patched_forwards(base) == ["mlp", "rms_norm"]
+    assert _patched_forwards(base) == ["causal_mask", "mlp", "rms_norm"]
     onca.unapply(base)
 
 
@@ -337,7 +339,8 @@ def test_qk_norm_rope_attention_computes_the_models_own(model_type, use_cache, d
         pytest.skip(f"the installed transformers has no {model_type}")
     reference = _model(model_type, device)
     model = copy.deepcopy(reference)
-    onca.apply(model, rms_norm=False, mlp=False, rope=False, fused_linear_cross_entropy=False)
+    onca.apply(model, rms_norm=False, mlp=False, rope=False, fused_linear_cross_entropy=False,
+               causal_mask=False)
     assert model._onca_kernels == {"qk_norm_rope": 2}
     calls = []
     fused = OF.rms_norm_rope

@@ -15,16 +15,17 @@ import types
 
 import torch
 
-from onca.integrations.transformers import forwards
+from onca.integrations.transformers import causal_mask, forwards
 from onca.integrations.transformers.families import FAMILIES, Family, family_of, supported_model_types
 
-KERNELS = ("rms_norm", "layer_norm", "mlp", "rope", "qk_norm_rope", "fused_linear_cross_entropy")
+KERNELS = ("rms_norm", "layer_norm", "mlp", "rope", "qk_norm_rope", "causal_mask",
+           "fused_linear_cross_entropy")
 
 # Originals of the module-level functions and class methods Onca replaced: (owner, name) -> value.
 _ORIGINALS: dict[tuple[object, str], object] = {}
-# Models patched by `apply` per modelling module, so that `unapply` undoes the module-level RoPE
-# patch with the last one.
-_ROPE_USERS: dict[str, int] = {}
+# Models patched by `apply` per (modelling module, function) Onca replaced there (RoPE's function,
+# `create_causal_mask`), so that `unapply` undoes a module-level patch with the last one.
+_GLOBAL_USERS: dict[tuple[str, str], int] = {}
 
 
 # Under torch.compile these kernels hand their layers back to the model's own code by default
@@ -91,7 +92,10 @@ def apply(model, **kernels) -> torch.nn.Module:
     Switch kernels off by keyword: ``rms_norm``, ``layer_norm``, ``mlp``, ``rope``, ``qk_norm_rope``
     (attention layers that normalise each head of q and k before RoPE, as Qwen3's and Gemma 3's:
     the norms and the rotation as one op, in place of ``rms_norm`` and ``rope`` there),
-    ``fused_linear_cross_entropy`` (all on by default), each True, False or ``"eager"``: Onca's
+    ``causal_mask`` (a decoder call with no attention mask, positions or cache attends through
+    SDPA's ``is_causal`` rather than a mask transformers builds while torch.compile traces; see
+    ``causal_mask.py``), ``fused_linear_cross_entropy`` (all on by default), each True, False or
+    ``"eager"``: Onca's
     kernel except under torch.compile, where the layer runs the model's own code for inductor to
     fuse. ``rms_norm`` and ``mlp`` default to ``"eager"`` (measured faster under inductor; see
     ``EAGER_BY_DEFAULT``), the others to True. An unsupported model type is a
@@ -106,16 +110,16 @@ def apply(model, **kernels) -> torch.nn.Module:
     members = families_in(family, model.config)
     patches, counts = _instance_patches(model, family, members, use)
     ropes = _rope_patches([m for m in members if not _rope_fused(m, use)]) if use["rope"] else []
+    masks = _mask_patches(patches)
     for module, attr, function in patches:
         _patch_instance(module, attr, function)
-    for modeling, name, function in ropes:
+    for modeling, name, function in ropes + masks:
         _patch_global(modeling, name, function)
-    if ropes:
-        if not getattr(model, "_onca_rope", ()):
-            for modeling, _, _ in ropes:
-                _ROPE_USERS[modeling.__name__] = _ROPE_USERS.get(modeling.__name__, 0) + 1
-            model._onca_rope = tuple((modeling.__name__, name) for modeling, name, _ in ropes)
-        counts["rope"] = len(ropes)
+    if (ropes or masks) and not getattr(model, "_onca_globals", ()):
+        model._onca_globals = tuple((modeling.__name__, name) for modeling, name, _ in ropes + masks)
+        for key in model._onca_globals:
+            _GLOBAL_USERS[key] = _GLOBAL_USERS.get(key, 0) + 1
+    counts["rope"] = len(ropes)
     model._onca_kernels = {name: n for name, n in counts.items() if n}
     return model
 
@@ -161,6 +165,15 @@ def _rope_patches(members: list[Family]) -> list[tuple[object, str, object]]:
     return patches
 
 
+def _mask_patches(patches: list[tuple]) -> list[tuple[object, str, object]]:
+    """``create_causal_mask``'s patch in the modelling module of each decoder in ``patches``."""
+    modelings = {(owner if isinstance(owner, type) else type(owner)).__module__
+                 for owner, _, function in patches if forwards.onca_kind(function) == "causal_mask"}
+    return [(modeling, causal_mask.MASK_FUNCTION,
+             causal_mask.make_mask_function(getattr(modeling, causal_mask.MASK_FUNCTION)))
+            for modeling in map(importlib.import_module, sorted(modelings))]
+
+
 def _tables(members: list[Family]) -> tuple[dict, dict, dict, dict]:
     """Class name -> norm arithmetic, class name -> MLP kind, experts class -> layout, and q/k-norm
     attention class -> its family, over ``members``."""
@@ -197,10 +210,16 @@ def _instance_patches(model, family: Family, members: list[Family], use: dict[st
     counts = {name: 0 for name in KERNELS}
     norms, mlps, experts, attentions = _tables(members)
     fused_norms = set()  # the q/k norms of attentions whose fused forward never calls them
+    modelings = {member.modeling().__name__ for member in members}
     for module in model.modules():
         name = type(module).__name__
         arithmetic = norms.get(name)
-        if use["qk_norm_rope"] and name in attentions and forwards.qk_norm_fusable(module):
+        if (use["causal_mask"] and type(module).__module__ in modelings
+                and causal_mask.builds_causal_mask(_forward_of(module))):
+            patches.append(_setting(use["causal_mask"], module, "forward",
+                                    causal_mask.make_decoder_forward(_forward_of(module))))
+            counts["causal_mask"] += 1
+        elif use["qk_norm_rope"] and name in attentions and forwards.qk_norm_fusable(module):
             patches.append(_setting(use["qk_norm_rope"], module, "forward", _attention_forward(
                 attentions[name], _forward_of(module))))
             counts["qk_norm_rope"] += 1
@@ -259,7 +278,12 @@ def _setting(setting: bool | str, owner, attr: str, function) -> tuple:
     if setting != "eager":
         return owner, attr, function
     cls = owner if isinstance(owner, type) else type(owner)
-    return owner, attr, forwards.eager_only(function, _ORIGINALS.get((cls, attr), getattr(cls, attr)))
+    return owner, attr, forwards.eager_only(function, _original(cls, attr))
+
+
+def _original(cls, attr: str):
+    """``cls.attr`` as it was before Onca patched the class (as it is, if Onca did not)."""
+    return _ORIGINALS.get((cls, attr), getattr(cls, attr))
 
 
 def _plain_layer_norm(module) -> bool:
@@ -280,10 +304,10 @@ def unapply(model) -> torch.nn.Module:
                 delattr(module, attr)
                 if attr in replaced:
                     setattr(module, attr, replaced[attr])
-    for module_name, function in model.__dict__.pop("_onca_rope", ()):
-        _ROPE_USERS[module_name] = _ROPE_USERS.get(module_name, 0) - 1
+    for module_name, function in model.__dict__.pop("_onca_globals", ()):
+        _GLOBAL_USERS[module_name, function] = _GLOBAL_USERS.get((module_name, function), 0) - 1
         modeling = importlib.import_module(module_name)
-        if _ROPE_USERS[module_name] <= 0 and not _class_patched(modeling):
+        if _GLOBAL_USERS[module_name, function] <= 0 and not _class_patched(modeling):
             _restore_global(modeling, function)
     model.__dict__.pop("_onca_kernels", None)
     return model
@@ -327,6 +351,11 @@ def apply_to(model_type: str, **kernels) -> Family:
                                 _attention_forward(family, original)))
     if use["rope"] and not _rope_fused(family, use):
         patches += _rope_patches([family])
+    if use["causal_mask"]:
+        decoders = [(cls, "forward", causal_mask.make_decoder_forward(_original(cls, "forward")))
+                    for cls in _decoder_classes(modeling)]
+        patches += [_setting(use["causal_mask"], *patch) for patch in decoders]
+        patches += _mask_patches(decoders)
     for owner, attr, replacement in patches:
         _patch_global(owner, attr, replacement)
     return family
@@ -335,7 +364,16 @@ def apply_to(model_type: str, **kernels) -> Family:
 def _family_classes(family: Family) -> list[str]:
     return [*family.norm_classes, *family.mlp_classes, family.experts_class,
             *([family.causal_lm_class] if family.causal_lm_class else []),
-            *([family.attention_class] if family.qk_norm else [])]
+            *([family.attention_class] if family.qk_norm else []),
+            *(cls.__name__ for cls in _decoder_classes(family.modeling()))]
+
+
+def _decoder_classes(modeling) -> list[type]:
+    """The module classes defined in ``modeling`` whose forward builds a causal mask there."""
+    return [cls for cls in vars(modeling).values()
+            if isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+            and cls.__module__ == modeling.__name__
+            and causal_mask.builds_causal_mask(_original(cls, "forward"))]
 
 
 def unapply_to(model_type: str) -> None:
@@ -347,8 +385,10 @@ def unapply_to(model_type: str) -> None:
         if cls is not None:
             _restore_global(cls, "forward")
             _restore_global(cls, "_apply_gate")
-    if family.rope is not None and not _ROPE_USERS.get(modeling.__name__):
+    if family.rope is not None and not _GLOBAL_USERS.get((modeling.__name__, family.rope_function)):
         _restore_global(modeling, family.rope_function)
+    if not _GLOBAL_USERS.get((modeling.__name__, causal_mask.MASK_FUNCTION)):
+        _restore_global(modeling, causal_mask.MASK_FUNCTION)
 
 
 def _class_of(modeling, class_name: str):

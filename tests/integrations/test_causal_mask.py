@@ -1,0 +1,172 @@
+"""The ``causal_mask`` switch: a decoder call with no mask, positions or cache attends through SDPA's
+``is_causal`` (no materialised mask, no k/v copies to the query heads), eager and compiled; every
+other call keeps transformers' mask, and the model computes its own loss either way."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import onca
+from onca.integrations.transformers import causal_mask, family_of
+from onca.integrations.transformers.presets import tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+# Every switch but the mask's off: the model's own arithmetic, so losses agree to rounding.
+MASK_ONLY = dict(rms_norm=False, layer_norm=False, mlp=False, rope=False, qk_norm_rope=False,
+                 fused_linear_cross_entropy=False)
+
+
+def _models(model_type, attn_implementation="sdpa", **switches):
+    torch.manual_seed(0)
+    # No cache, as in training with gradient checkpointing: transformers then looks for packed
+    # sequences in the positions (with a cache it does not).
+    config = tiny_config(model_type)
+    config.use_cache, config._attn_implementation = False, attn_implementation
+    reference = transformers.AutoModelForCausalLM.from_config(config).train()
+    return reference, onca.apply(copy.deepcopy(reference), **{**MASK_ONLY, **switches})
+
+
+def _tokens(vocab_size, batch=2, seq=12):
+    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+class _AttentionRecorder:
+    """A Dynamo backend that runs the graph as is and keeps each SDPA call's mask and causal flag."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.nn.functional.scaled_dot_product_attention:
+                self.calls.append((node.kwargs.get("attn_mask") is None, node.kwargs.get("is_causal")))
+        return gm.forward
+
+
+def _eager_masks(monkeypatch):
+    """Whether each eager SDPA call got a mask."""
+    masked = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masked.append(kwargs.get("attn_mask") is not None)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return masked
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_provably_causal_call_compiles_to_sdpa_is_causal(model_type):
+    reference, model = _models(model_type)
+    assert model._onca_kernels == {"causal_mask": 1}
+    ids = _tokens(model.config.vocab_size)
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    torch._dynamo.reset()
+    recorder = _AttentionRecorder()
+    compiled = torch.compile(lambda i: model(input_ids=i, labels=i), backend=recorder, fullgraph=True)
+    out = compiled(ids)
+    out.loss.backward()
+    # Both layers' SDPA: no mask, causal (transformers alone builds the mask while tracing).
+    assert recorder.calls == [(True, True)] * model.config.num_hidden_layers
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert getattr(causal_mask._call, "causal", False) is False  # unmarked after the call
+
+
+def _padded(ids):
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in the second row
+    return {"attention_mask": mask}
+
+
+def _packed(ids):
+    # Two sequences packed in each row: positions restart at 5.
+    positions = torch.cat([torch.arange(5), torch.arange(ids.shape[1] - 5)]).expand_as(ids)
+    return {"position_ids": positions}
+
+
+@pytest.mark.parametrize("extra", [_padded, _packed], ids=["padded", "packed"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_call_with_a_mask_or_positions_keeps_the_models_mask(extra, compiled, monkeypatch):
+    reference, model = _models("qwen3")
+    ids = _tokens(model.config.vocab_size)
+    kwargs = extra(ids)
+    expected = reference(input_ids=ids, labels=ids, **kwargs).loss  # eager: reads the positions
+    torch._dynamo.reset()
+    masked = _eager_masks(monkeypatch)
+    forward = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+    loss = forward(input_ids=ids, labels=ids, **kwargs).loss
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    if not compiled:
+        assert masked == [True] * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_an_implementation_other_than_sdpa_keeps_its_mask(attn_implementation):
+    """The model's own attention takes no ``is_causal``: without a mask it would attend to the
+    future, so the loss would differ. SDPA with the switch off compiles as the unpatched model."""
+    switches = {"causal_mask": attn_implementation == "eager"}
+    reference, model = _models("llama", attn_implementation, **switches)
+    ids = _tokens(model.config.vocab_size)
+    attention = {}
+    for name, m in (("reference", reference), ("patched", model)):
+        torch._dynamo.reset()
+        attention[name] = _AttentionRecorder()
+        losses = torch.compile(lambda i, m=m: m(input_ids=i, labels=i).loss, backend=attention[name],
+                               fullgraph=True)(ids)
+        attention[name].loss = losses
+    torch.testing.assert_close(attention["patched"].loss, attention["reference"].loss, rtol=1e-6, atol=1e-6)
+    assert attention["patched"].calls == attention["reference"].calls
+
+
+def test_the_mark_is_per_call_and_restored_after_an_error():
+    reference, model = _models("llama")
+    ids = _tokens(model.config.vocab_size)
+    with pytest.raises(Exception):
+        model(input_ids=ids, labels=ids, position_ids=torch.zeros(5, 5, 5, dtype=torch.long))
+    assert getattr(causal_mask._call, "causal", False) is False
+    expected = reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_unapply_restores_the_mask_function_with_the_last_model():
+    modeling = family_of("llama").modeling()
+    original = modeling.create_causal_mask
+    _, first = _models("llama")
+    _, second = _models("llama")
+    assert modeling.create_causal_mask.__onca__ == "causal_mask"
+    onca.unapply(first)
+    assert modeling.create_causal_mask.__onca__ == "causal_mask"  # the second model still uses it
+    onca.unapply(second)
+    assert modeling.create_causal_mask is original
+
+
+def test_apply_to_patches_the_decoder_class_and_unapply_to_restores_it():
+    modeling = family_of("llama").modeling()
+    decoder_forward, original = modeling.LlamaModel.forward, modeling.create_causal_mask
+    reference = _models("llama", causal_mask=False)[0]
+    ids = _tokens(reference.config.vocab_size)
+    try:
+        onca.apply_to("llama", **MASK_ONLY)
+        assert modeling.LlamaModel.forward.__onca__ == "causal_mask"
+        assert modeling.create_causal_mask.__onca__ == "causal_mask"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(reference.config).train()
+        model.load_state_dict(reference.state_dict())
+        torch._dynamo.reset()
+        recorder = _AttentionRecorder()
+        step = torch.compile(lambda i: model(input_ids=i, labels=i).loss, backend=recorder, fullgraph=True)
+        loss = step(ids)
+        assert recorder.calls == [(True, True)] * model.config.num_hidden_layers
+        torch.testing.assert_close(loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-6, atol=1e-6)
+    finally:
+        onca.unapply_to("llama")
+    assert modeling.LlamaModel.forward is decoder_forward and modeling.create_causal_mask is original
