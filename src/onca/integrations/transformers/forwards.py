@@ -535,9 +535,10 @@ def make_causal_lm_forward(family: Family, original_forward, class_forward=None)
         if family.aux_loss:
             model_kwargs["output_router_logits"] = router_switch(self.config, text_config,
                                                                  kwargs.get("output_router_logits"))
+        if past_key_values is not None:  # only when given: transformers 5.2x renames it (``cache``)
+            model_kwargs["past_key_values"] = past_key_values
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **model_kwargs)
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, **model_kwargs)
         hidden = outputs.last_hidden_state
         loss = causal_lm_loss(self, family, hidden, labels, shift_labels, num_items_in_batch)
         aux_loss = None
