@@ -40,7 +40,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
     "7": ("tests/integrations/test_convergence.py", "tests/integrations/test_families.py"),
     "8": (  # patched models compiled and graph-captured, the harness, the command line
         "tests/integrations/test_patching.py", "tests/integrations/test_frameworks.py",
-        "tests/integrations/test_compile.py", "tests/integrations/test_cuda_graph.py", "tests/bench",
+        "tests/integrations/test_compile.py", "tests/integrations/test_cuda_graph.py",
+        "tests/integrations/test_causal_mask.py", "tests/bench",
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
         "tests/test_host_path.py", "tests/test_kernel_times.py", "tests/test_step_kernels.py", "tests/ops/test_launch.py",
         "tests/ops/test_rows.py",

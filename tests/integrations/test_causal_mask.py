@@ -170,3 +170,23 @@ def test_apply_to_patches_the_decoder_class_and_unapply_to_restores_it():
     finally:
         onca.unapply_to("llama")
     assert modeling.LlamaModel.forward is decoder_forward and modeling.create_causal_mask is original
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation is a CUDA notion")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_provably_causal_training_step_never_waits_for_the_device(model_type):
+    """Without a cache transformers reads the positions on the host to rule out packed sequences
+    (a synchronisation); the patched model's forward and backward, every switch at its default,
+    run without one."""
+    torch.manual_seed(0)
+    config = tiny_config(model_type)
+    config.use_cache = False
+    model = onca.apply(transformers.AutoModelForCausalLM.from_config(config).cuda().train())
+    ids = _tokens(config.vocab_size).cuda()
+    model(input_ids=ids, labels=ids).loss.backward()  # the first call compiles and plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
