@@ -290,17 +290,17 @@ def test_router_loss_is_added_when_the_original_adds_it():
 
 
 @pytest.mark.parametrize("route", ["apply", "apply_to"])
-def test_eager_setting_runs_the_models_own_code_while_compiling(route, monkeypatch):
+def test_eager_setting_runs_the_models_own_code_while_compiling(route, device, monkeypatch):
     """``"eager"`` (the norms' and MLP's default): Onca's kernel outside torch.compile, the class's
     own forward while Dynamo traces, for the class-level patch too; True keeps Onca's kernel."""
     from onca.ops._contract import Op
 
     modeling = family_of("llama").modeling()
     original = modeling.LlamaRMSNorm.forward
-    model = _model("llama")
+    model = _model("llama", device)
     norm = model.model.norm
     torch.nn.init.uniform_(norm.weight)
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, device=device)
     expected = original(norm, x)
     ran = []
     monkeypatch.setattr(Op, "__call__", functools.partialmethod(
@@ -309,7 +309,7 @@ def test_eager_setting_runs_the_models_own_code_while_compiling(route, monkeypat
         onca.apply(model)
     else:
         onca.apply_to("llama")
-        norm = modeling.LlamaRMSNorm(64, eps=norm.variance_epsilon)
+        norm = modeling.LlamaRMSNorm(64, eps=norm.variance_epsilon).to(device)
         norm.weight.data.copy_(model.model.norm.weight)
     try:
         norm(x)
@@ -391,7 +391,7 @@ def test_an_attention_the_fused_forward_cannot_reproduce_keeps_its_own():
     assert not forwards.qk_norm_fusable(attention)
 
 
-def test_apply_to_fuses_the_q_k_norms_and_rope_in_the_attention_class(monkeypatch):
+def test_apply_to_fuses_the_q_k_norms_and_rope_in_the_attention_class(device, monkeypatch):
     """``apply_to`` patches Qwen3's attention class (its RoPE function stays transformers': never
     called), a model built afterwards computes its own loss through the fused op, and
     ``unapply_to`` restores the class."""
@@ -399,8 +399,8 @@ def test_apply_to_fuses_the_q_k_norms_and_rope_in_the_attention_class(monkeypatc
 
     modeling = family_of("qwen3").modeling()
     attention_forward, rope = modeling.Qwen3Attention.forward, modeling.apply_rotary_pos_emb
-    reference = _model("qwen3")
-    ids = torch.randint(0, 256, (2, 12))
+    reference = _model("qwen3", device)
+    ids = torch.randint(0, 256, (2, 12), device=device)
     expected = reference(input_ids=ids, labels=ids).loss
     calls = []
     fused = OF.rms_norm_rope
@@ -409,7 +409,7 @@ def test_apply_to_fuses_the_q_k_norms_and_rope_in_the_attention_class(monkeypatc
         onca.apply_to("qwen3", rms_norm=False, mlp=False, fused_linear_cross_entropy=False)
         assert modeling.Qwen3Attention.forward.__onca__ == "qk_norm_rope"
         assert modeling.apply_rotary_pos_emb is rope
-        model = _model("qwen3")
+        model = _model("qwen3", device)
         torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, expected, rtol=1e-5, atol=1e-5)
         assert len(calls) == 2  # one op per layer, q and k together
     finally:
