@@ -95,10 +95,9 @@ def apply(model, **kernels) -> torch.nn.Module:
     ``causal_mask`` (a decoder call with no attention mask, positions or cache attends through
     SDPA's ``is_causal`` rather than a mask transformers builds while torch.compile traces; see
     ``causal_mask.py``), ``fused_linear_cross_entropy`` (all on by default), each True, False or
-    ``"eager"``: Onca's
-    kernel except under torch.compile, where the layer runs the model's own code for inductor to
-    fuse. ``rms_norm`` and ``mlp`` default to ``"eager"`` (measured faster under inductor; see
-    ``EAGER_BY_DEFAULT``), the others to True. An unsupported model type is a
+    ``"eager"``: Onca's kernel except under torch.compile, where the layer runs the model's own code
+    for inductor to fuse. ``rms_norm`` and ``mlp`` default to ``"eager"`` (measured faster under
+    inductor; see ``EAGER_BY_DEFAULT``), the others to True. An unsupported model type is a
     ``ValueError`` naming it and the supported ones (``onca.supported_model_types()``); everything
     is checked before anything is patched, so an error leaves the model as it was. Patching twice
     is harmless (a second call leaves what the first patched as it is: to change a setting,
