@@ -190,3 +190,30 @@ def test_a_provably_causal_training_step_never_waits_for_the_device(model_type):
         model(input_ids=ids, labels=ids).loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_mark_is_per_thread():
+    """A provably causal call in one thread (``nn.DataParallel``'s replicas run in threads) leaves
+    another thread's mask to transformers."""
+    import threading
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(_attn_implementation="sdpa")
+    mask = causal_mask.make_mask_function(lambda **kwargs: "transformers' mask")
+    inside, release = threading.Event(), threading.Event()
+
+    def decoder_body(self, input_ids=None, **kwargs):
+        inside.set()
+        release.wait(timeout=10)
+        return mask(config=config)
+
+    decoder = causal_mask.make_decoder_forward(decoder_body)
+    seen = {}
+    model = SimpleNamespace(config=config)
+    worker = threading.Thread(target=lambda: seen.setdefault("causal", decoder(model)))
+    worker.start()
+    assert inside.wait(timeout=10)
+    seen["other"] = mask(config=config)  # this thread runs no marked call
+    release.set()
+    worker.join()
+    assert seen == {"causal": None, "other": "transformers' mask"}
