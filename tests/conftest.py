@@ -9,9 +9,15 @@ import types
 import pytest
 import torch
 
-import onca  # noqa: F401  (switches the interpreter on when there is no accelerator)
-from onca import device as onca_device
-from tests.helpers import SCALE, round_bf16_as_on_gpu
+# Tests check Onca's kernels at every size: no call takes torch's small-call route (its own
+# tests turn it on), here or in the subprocesses tests start.
+os.environ["ONCA_SMALL_CALL_LIMIT"] = "0"
+
+import onca  # noqa: E402  (switches the interpreter on when there is no accelerator)
+from onca import device as onca_device  # noqa: E402
+from tests.helpers import SCALE, round_bf16_as_on_gpu  # noqa: E402
+
+onca.set_small_call_limit(0)  # in case a plugin imported onca before the variable was set
 
 if onca_device.interpreter_active():
     round_bf16_as_on_gpu()

@@ -62,7 +62,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
     "13": (  # row activations and TVD (issue 16)
         "tests/ops/test_softmax.py", "tests/nn/test_softmax.py", "tests/ops/test_sparsemax.py",
         "tests/nn/test_sparsemax.py", "tests/ops/test_relu_squared.py", "tests/nn/test_relu_squared.py",
-        "tests/ops/test_tvd.py", "tests/nn/test_tvd.py",
+        "tests/ops/test_tvd.py", "tests/nn/test_tvd.py", "tests/ops/test_small_calls.py",
     ),
     # Two ranks: NCCL where two GPUs are visible, else gloo on the CPU (the GPU hidden).
     "14": ("tests/distributed",),

@@ -8,6 +8,8 @@ _device.ensure_interpreter()
 
 from onca import functional, nn  # noqa: E402
 from onca.device import get_profile  # noqa: E402
+from onca.ops._small_calls import limit as small_call_limit  # noqa: E402
+from onca.ops._small_calls import set_limit as set_small_call_limit  # noqa: E402
 
 try:
     from importlib.metadata import PackageNotFoundError, version
@@ -17,7 +19,8 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 __all__ = [
-    "functional", "nn", "get_profile", "apply", "apply_to", "unapply", "unapply_to",
+    "functional", "nn", "get_profile", "small_call_limit", "set_small_call_limit",
+    "apply", "apply_to", "unapply", "unapply_to",
     "AutoModelForCausalLM", "supported_model_types", "__version__",
 ]
 

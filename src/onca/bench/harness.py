@@ -37,10 +37,13 @@ import torch
 
 from onca.bench.records import Point, Record
 from onca.bench.spec import MODES, PROVIDERS, OpBenchmark, Sweep, build, takes_mode
+from onca.ops import _small_calls as small_calls
 
 MB = 1 << 20
 # Fraction of the free device memory a point may be estimated to use before it is skipped.
 FIT_FRACTION = 0.9
+# The note of a point where Onca's function called torch's op (onca.ops._small_calls).
+SMALL_CALL_NOTE = "small call: torch's op"
 
 
 def list_ops() -> list[str]:
@@ -259,7 +262,9 @@ class Harness:
                         # Built once per point (modules, options and torch.compile's graph), or once
                         # per mode by a factory that takes the mode.
                         run = build(factory, params, inputs, mode)
+                    taken = small_calls.taken
                     speed, peak, device = self._measure(run, inputs, mode, wall_clock, memory)
+                    small = small_calls.taken != taken
                 except torch.OutOfMemoryError as exc:
                     inputs = run = None
                     _free()
@@ -273,7 +278,8 @@ class Harness:
                         out[(metric, mode)] = Point(x, status="error", note=note, estimate_mb=est_mb)
                     continue
                 p50, p20, p80 = speed
-                point = Point(x, p50, p20, p80, estimate_mb=est_mb, device_ms=device)
+                point = Point(x, p50, p20, p80, estimate_mb=est_mb, device_ms=device,
+                              note=SMALL_CALL_NOTE if small else "")
                 self._rates(point, bench, params, mode, profile)
                 out[("speed", mode)] = point
                 if not memory:
@@ -282,7 +288,7 @@ class Harness:
                     out[("memory", mode)] = Point(x, status="unmeasured", note="no memory counters on the CPU",
                                                   estimate_mb=est_mb)
                 else:
-                    out[("memory", mode)] = Point(x, peak, peak, peak, estimate_mb=est_mb)
+                    out[("memory", mode)] = Point(x, peak, peak, peak, estimate_mb=est_mb, note=point.note)
         finally:
             del inputs, run
             _free()

@@ -51,6 +51,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import Op, custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch, row_launch
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
@@ -483,8 +484,27 @@ def gated(forward: Op, a, b, activation: str, gate_multiplier, down_multiplier, 
     """Validate, then ``act(a * gate_multiplier) * b * down_multiplier`` through ``forward`` (a
     :func:`register_gated` op), in ``a``'s leading shape."""
     act = _check_gated(a, b, activation, gate_multiplier, down_multiplier, overwrite_inputs)
+    # overwrite_inputs only lets the op reuse a and b: torch's route allocates instead.
+    if gate_multiplier == 1.0 and down_multiplier == 1.0 and small_calls.small(a.numel(), a, b):
+        return _torch_gated(a, b, activation)
     return forward(rows_ready(a), None if b is None else rows_ready(b), act, float(gate_multiplier),
                    float(down_multiplier), overwrite_inputs)
+
+
+# torch's activation of each form: what a Hugging Face MLP computes, rounded as the kernels round
+# (the activation to the input dtype, then the product).
+_TORCH_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda a: F.gelu(a, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def _torch_gated(a: Tensor, b: Tensor | None, activation: str) -> Tensor:
+    """A small call's product by torch's ops (:mod:`onca.ops._small_calls`)."""
+    if b is None:
+        a, b = a.chunk(2, dim=-1)
+    return _TORCH_ACTIVATIONS[activation](a) * b
 
 
 def gated_linear(forward: Op, a, b, weight, bias, activation: str, gate_multiplier, down_multiplier,

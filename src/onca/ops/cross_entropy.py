@@ -66,6 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch, row_launch
 from onca.ops._rows import as_rows, rows_cols, rows_in_place
@@ -943,14 +944,30 @@ def check_target(target, name: str, shape: tuple[int, ...], what: str) -> Tensor
     return target.reshape(-1)
 
 
-def _validate_inputs(logits, target) -> tuple[Tensor, Tensor]:
+def torch_computes(lse_square_scale, softcap, *returns: bool) -> bool:
+    """Whether torch's ``cross_entropy`` computes a call with these options: no z-loss, no soft
+    cap, nothing returned but the loss (:mod:`onca.ops._small_calls`)."""
+    return lse_square_scale == 0.0 and softcap is None and not any(returns)
+
+
+def torch_cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
+                        label_smoothing: float, reduction: str) -> Tensor:
+    """A small call's fp32 loss by torch's ops, from the fp32 logits as Hugging Face's loss takes
+    them: ``logits`` ``(tokens, vocab)``, ``target`` ``(tokens,)``. A target outside the vocabulary
+    stops torch's CUDA kernel with a device-side assertion (Onca's kernel gives NaN there)."""
+    return torch.nn.functional.cross_entropy(logits.float(), target, weight, ignore_index=ignore_index,
+                                             reduction=reduction, label_smoothing=label_smoothing)
+
+
+def _validate_inputs(logits, target) -> Tensor:
+    """``target`` as a 1-D tensor, after checking both."""
     check_float(logits, "logits")
     if logits.dim() < 2 or logits.shape[-1] == 0:
         raise ValueError(f"logits must be (tokens, vocab) or (..., vocab) with vocab >= 1, "
                          f"got shape {tuple(logits.shape)}")
     target1d = check_target(target, "target", logits.shape[:-1], "the logits' shape without the vocab")
     check_same_device(target, "target", logits, "logits")
-    return as_rows(logits), target1d
+    return target1d
 
 
 def cross_entropy(
@@ -976,8 +993,9 @@ def cross_entropy(
     there are none), plus the z-loss ``lse_square_scale * logsumexp(logits)**2`` per token (never
     class-weighted: a mean divides it by the count, as liger-kernel) and Gemma 2's logit
     soft-capping ``softcap * tanh(logits / softcap)``. A non-ignored target outside ``[0, vocab)``
-    makes its token's loss and gradient NaN (never an out-of-bounds read). The class weights are
-    read in fp32 whatever their float dtype, and take no gradient.
+    makes its token's loss and gradient NaN (never an out-of-bounds read); a small call on CUDA
+    (torch's op, :mod:`onca.ops._small_calls`) stops with torch's device-side assertion instead.
+    The class weights are read in fp32 whatever their float dtype, and take no gradient.
     ``return_z_loss=True`` returns ``(loss, z_loss)`` (the z-loss part, for logging).
     ``return_token_accuracy`` / ``return_predicted_tokens`` (found in the same pass, no gradient)
     return a :class:`CrossEntropyOutput` ``(loss, z_loss, token_accuracy, predicted_tokens)``, as
@@ -993,8 +1011,18 @@ def cross_entropy(
     check_bool(overwrite_logits, "overwrite_logits")
     check_bool(return_token_accuracy, "return_token_accuracy")
     check_bool(return_predicted_tokens, "return_predicted_tokens")
-    x2d, target1d = _validate_inputs(logits, target)
+    target1d = _validate_inputs(logits, target)
     weight = check_class_weight(weight, "weight", logits.shape[-1], logits, "logits")
+    # overwrite_logits only lets the op reuse the logits: torch's route allocates instead.
+    returns = (return_z_loss, return_token_accuracy, return_predicted_tokens)
+    torch_can = torch_computes(lse_square_scale, softcap, *returns)
+    if torch_can and small_calls.small(logits.numel(), logits, target):
+        # 2-D logits and 1-D targets as they are: a view is one more autograd node, each way.
+        needs_rows = logits.dim() > 2
+        rows, labels = (as_rows(logits), target1d) if needs_rows else (logits, target)
+        loss = torch_cross_entropy(rows, labels, weight, ignore_index, label_smoothing, reduction)
+        return (loss.view(target.shape) if needs_rows and reduction == "none" else loss).to(logits.dtype)
+    x2d = as_rows(logits)
     gradient_in_forward = overwrite_logits and logits.requires_grad and torch.is_grad_enabled()
     overwrite = gradient_in_forward and not tracing(logits, target)
     loss, z_loss, _, _, accuracy, predicted = cross_entropy_forward(

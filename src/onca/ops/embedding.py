@@ -56,6 +56,7 @@ import triton.language as tl
 from onca.device import DeviceProfile, get_profile
 from torch import Tensor
 
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_same_device
@@ -564,6 +565,11 @@ def embedding(
     the cost of one host-device synchronisation per forward (skipped during CUDA graph capture).
     """
     padding_idx = _validate(indices, weight, padding_idx, scale_grad_by_freq, deterministic, check_bounds)
+    # Bounds checked on the host and bitwise reproducibility asked for stay Onca's.
+    elements = indices.numel() * weight.shape[1]
+    if not (check_bounds or deterministic) and small_calls.small(elements, weight, indices):
+        return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx,
+                                             scale_grad_by_freq=scale_grad_by_freq)
     flat = indices.reshape(-1).contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y, _keys = embedding_forward(flat, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds)

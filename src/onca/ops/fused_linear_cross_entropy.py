@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator, free_memory
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._matmul import accumulate_dw
 from onca.ops._rows import as_rows
@@ -78,6 +79,8 @@ from onca.ops.cross_entropy import (
     reduce_losses,
     scale_forward_gradient,
     target_stats,
+    torch_computes,
+    torch_cross_entropy,
     validate_options,
 )
 from onca.tiling import ChunkPlan, plan_rows, plan_token_chunks
@@ -393,6 +396,16 @@ def _fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, labe
                                 ce_weight, use_token_scaling, return_token_accuracy, return_predicted_tokens):
     h2d, target1d = _validate(hidden, weight, target, bias, accum_dtype, chunk_tokens)
     ce_weight = check_class_weight(ce_weight, "ce_weight", weight.shape[0], hidden, "hidden")
+    # One GEMM of a few tokens' logits: accum_dtype and chunk_tokens have nothing to act on.
+    returns = (return_z_loss, return_token_accuracy, return_predicted_tokens, use_token_scaling)
+    if (torch_computes(lse_square_scale, softcap, *returns)
+            and small_calls.small(h2d.shape[0] * weight.shape[0], hidden, weight, target)):
+        # 2-D hidden states and 1-D targets as they are: a view is one more autograd node, each way.
+        needs_rows = hidden.dim() > 2
+        logits = torch.nn.functional.linear(h2d if needs_rows else hidden, weight, bias)
+        loss = torch_cross_entropy(logits, target1d if needs_rows else target, ce_weight, ignore_index,
+                                   label_smoothing, reduction)
+        return loss.view(target.shape) if needs_rows and reduction == "none" else loss
     grad_enabled = torch.is_grad_enabled()
     loss, z_loss, _, _, _, _, accuracy, predicted = fused_linear_cross_entropy_forward(
         h2d, weight, target1d, bias, ce_weight, ignore_index, float(label_smoothing), float(lse_square_scale),

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import fill_wanted, sum_partials
@@ -341,6 +342,8 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: T
             raise ValueError(f"{name} must be 1-D of x's channels ({channels},), got shape {tuple(t.shape)}")
         check_same_device(t, name, x, "x")
     check_number(eps, "eps", minimum=0.0)
+    if small_calls.same_dtype(x, weight, bias) and small_calls.small(x.numel(), x):
+        return torch.nn.functional.group_norm(x, num_groups, weight, bias, eps)
     y, _, _ = group_norm_forward(x.contiguous(), None if weight is None else weight.contiguous(),
                                  None if bias is None else bias.contiguous(), num_groups, float(eps))
     return y

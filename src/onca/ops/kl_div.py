@@ -44,6 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import sum_scaled
@@ -313,6 +314,9 @@ def kl_div(input: Tensor, target: Tensor, reduction: str = "mean", log_target: b
     ``input.shape[0]``). Gradients for ``input`` and, when it requires one, ``target``. Empty inputs
     give torch's results (a sum of 0, a NaN mean)."""
     _validate(input, target, reduction, log_target)
+    # A probability target's gradient where it is 0 differs (torch: NaN): that call stays Onca's.
+    if not target.requires_grad and small_calls.small(input.numel(), input, target):
+        return torch.nn.functional.kl_div(input, target, reduction=reduction, log_target=log_target)
     scale = _reduction_scale(input.shape, input.numel(), reduction)
     # A scalar loss is last in the graph: its input gradient is written by the forward kernel
     # (one pass over both tensors) unless the target wants a gradient too, or in fp16, whose

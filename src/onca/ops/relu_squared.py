@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch, row_launch
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
@@ -150,6 +151,8 @@ def relu_squared(x: Tensor) -> Tensor:
     transformers' ``relu2`` activation): computed in fp32, the result in ``x``'s dtype and shape.
     ``x`` may have any shape, including no elements. Saves ``x`` for the backward pass."""
     check_float(x, "x")
+    if small_calls.small(x.numel(), x):
+        return torch.square(torch.nn.functional.relu(x))
     if x.dim() == 0:
         return relu_squared_forward(x.reshape(1, 1)).view(())
     return relu_squared_forward(rows_ready(x))

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops import _small_calls as small_calls
 from onca.ops._launch import fast_launch
 from onca.ops._row_map import plans, register_row_map
 from onca.ops._rows import moved_back, moved_last
@@ -163,4 +164,6 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the one the softmax is over), got a 0-d tensor")
     d = check_dim(dim, "dim", x.dim())
+    if small_calls.small(x.numel(), x):
+        return torch.softmax(x, d)
     return moved_back(softmax_forward(moved_last(x, d)), d)

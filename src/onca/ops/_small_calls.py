@@ -1,0 +1,86 @@
+"""Host-bound calls go to torch's own op.
+
+At a few million elements or fewer an op's GPU time is a few microseconds whoever computes it, and
+the host decides the speed. Where torch computes the op as one C++ call (LayerNorm, softmax,
+embedding, cross entropy, KL divergence, GroupNorm) or a few (the gated activations, ReLU², DyT,
+a head followed by cross entropy), no Python-launched kernel can match it there: an autograd
+Function alone costs more host time forward + backward than torch's whole op (measured on an H100
+host: an empty Function 104 µs, torch's LayerNorm of 16 tokens 68 to 154 µs). Such an op's public
+function therefore calls torch's op when the call is *small*:
+
+- eager (nothing tracing: under ``torch.compile`` the host path is gone and the graph keeps Onca's
+  op, whatever the size),
+- on a device type in :data:`DEVICE_TYPES` (CUDA: the interpreter exists to run Onca's kernels,
+  and torch_npu's ops are not measured),
+- its largest tensor at most :func:`limit` elements (default :data:`DEFAULT_LIMIT`, 2**22: 8 MB in
+  bf16, 16 tokens of a 256k vocabulary, 1024 tokens of a 4096-wide row), and
+- its options within what torch's op computes (each op says which; anything else stays Onca's).
+
+The result is torch's, to its rounding: each op's tests compare both routes. Above the limit the
+kernels' fewer passes and smaller saved state pay off wherever the host runs ahead of the GPU (a
+training step), even where an isolated call on a slow host is still bound by its Python path.
+``ONCA_SMALL_CALL_LIMIT`` (an element count; 0 turns the route off) or :func:`set_limit` change
+the limit; :data:`taken` counts the calls that took torch's route (the benchmark notes them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from onca.ops._contract import tracing
+
+__all__ = ["DEFAULT_LIMIT", "DEVICE_TYPES", "limit", "set_limit", "small", "same_dtype"]
+
+DEFAULT_LIMIT = 1 << 22
+# Device types whose calls may take torch's route.
+DEVICE_TYPES = ("cuda",)
+
+
+def _limit_from_environment() -> int:
+    raw = os.environ.get("ONCA_SMALL_CALL_LIMIT")
+    if raw is None or raw.strip() == "":
+        return DEFAULT_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"ONCA_SMALL_CALL_LIMIT must be a whole number of elements, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"ONCA_SMALL_CALL_LIMIT must be 0 (off) or more, got {value}")
+    return value
+
+
+_limit = _limit_from_environment()
+# Calls that took torch's route since import (read by the benchmark harness).
+taken = 0
+
+
+def limit() -> int:
+    """The largest element count of a call that takes torch's route (0: none does)."""
+    return _limit
+
+
+def set_limit(elements: int) -> int:
+    """Set :func:`limit` (0 turns torch's route off); returns the previous limit."""
+    global _limit
+    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 0:
+        raise ValueError(f"elements must be an int >= 0 (0 turns small calls off), got {elements!r}")
+    previous, _limit = _limit, elements
+    return previous
+
+
+def small(elements: int, *tensors: torch.Tensor) -> bool:
+    """Whether a call whose largest tensor has ``elements`` elements, on ``tensors`` (the first
+    decides the device), takes torch's route; counted in :data:`taken` when it does."""
+    global taken
+    if elements > _limit or _limit == 0 or tensors[0].device.type not in DEVICE_TYPES or tracing(*tensors):
+        return False
+    taken += 1
+    return True
+
+
+def same_dtype(first: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether every tensor given (None skipped) has ``first``'s dtype: torch's ops promote mixed
+    dtypes where Onca's keep the input's, so mixed calls stay Onca's."""
+    return all(t is None or t.dtype == first.dtype for t in others)

@@ -1,0 +1,259 @@
+"""Small calls take torch's route (``onca.ops._small_calls``): for each op that has one, the route
+runs no Onca op, counts itself, and gives what Onca's kernels give (values, dtypes, shapes and
+gradients, to rounding); options torch's op does not compute, mixed dtypes, calls above the limit
+and traced calls keep Onca's op.
+
+The route is for CUDA; here it is allowed on the test device so that the CPU checks it too (its
+results are torch's on any device). Every other test runs with the route off (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onca
+from onca.ops import _small_calls as small_calls
+from onca.ops._contract import Op
+from onca.ops.cross_entropy import cross_entropy
+from onca.ops.dyt import dyt
+from onca.ops.embedding import embedding
+from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from onca.ops.geglu import geglu
+from onca.ops.group_norm import group_norm
+from onca.ops.kl_div import kl_div
+from onca.ops.layer_norm import layer_norm
+from onca.ops.relu_squared import relu_squared
+from onca.ops.softmax import softmax
+from onca.ops.swiglu import swiglu
+from tests.helpers import assert_close
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.fixture
+def route(monkeypatch, device):
+    """Torch's route on, at its default limit, on the test device."""
+    monkeypatch.setattr(small_calls, "DEVICE_TYPES", (device,))
+    previous = small_calls.set_limit(small_calls.DEFAULT_LIMIT)
+    yield
+    small_calls.set_limit(previous)
+
+
+@pytest.fixture
+def onca_ops(monkeypatch):
+    """The names of the Onca ops called, in order."""
+    calls = []
+    call = Op.__call__
+
+    def counted(self, *args):
+        calls.append(self.name)
+        return call(self, *args)
+
+    monkeypatch.setattr(Op, "__call__", counted)
+    return calls
+
+
+def _tensor(shape, dtype, device, grad=True, scale=1.0, positive=False):
+    t = torch.randn(shape, dtype=F32) * scale
+    if positive:
+        t = t.abs() + 0.5
+    return t.to(device=device, dtype=dtype).requires_grad_(grad and dtype.is_floating_point)
+
+
+def _labels(shape, vocab, device, ignored=2):
+    target = torch.randint(0, vocab, shape)
+    target.view(-1)[:ignored] = -100
+    return target.to(device)
+
+
+def _float_inputs(inputs):
+    return [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _run(call, inputs):
+    """The output and the gradients of every input that takes one (for a fixed random incoming
+    gradient), on fresh leaves so the two routes start equal."""
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+              for t in inputs]
+    out = call(*leaves)
+    torch.manual_seed(1)
+    grad = torch.randn(out.shape, dtype=F32).to(device=out.device, dtype=out.dtype)
+    out.backward(grad)
+    return out, [t.grad for t in _float_inputs(leaves)]
+
+
+# name -> (inputs(device), call): each a call whose options torch's op computes.
+def _cases():
+    vocab = 40
+    return {
+        "layer_norm": (lambda d: [_tensor((3, 5, 48), F32, d), _tensor(48, F32, d, positive=True),
+                                  _tensor(48, F32, d)], lambda x, w, b: layer_norm(x, w, b, 1e-5)),
+        "layer_norm_bf16_no_bias": (lambda d: [_tensor((6, 64), BF16, d), _tensor(64, BF16, d, positive=True)],
+                                    lambda x, w: layer_norm(x, w)),
+        "softmax_middle_dim": (lambda d: [_tensor((4, 6, 10), F32, d, scale=3.0)], lambda x: softmax(x, 1)),
+        "relu_squared": (lambda d: [_tensor((7, 33), BF16, d)], relu_squared),
+        "swiglu": (lambda d: [_tensor((5, 64), BF16, d), _tensor((5, 64), BF16, d)], swiglu),
+        "swiglu_fused_halves": (lambda d: [_tensor((2, 3, 96), F32, d)], lambda a: swiglu(a)),
+        "swiglu_overwrite_inputs": (lambda d: [_tensor((5, 64), F32, d), _tensor((5, 64), F32, d)],
+                                    lambda a, b: swiglu(a, b, overwrite_inputs=True)),
+        "geglu_tanh": (lambda d: [_tensor((5, 64), F32, d), _tensor((5, 64), F32, d)], geglu),
+        "geglu_erf": (lambda d: [_tensor((5, 64), F32, d), _tensor((5, 64), F32, d)],
+                      lambda a, b: geglu(a, b, approximate="none")),
+        "dyt_scalar_alpha": (lambda d: [_tensor((4, 32), F32, d), _tensor((), F32, d, positive=True),
+                                        _tensor(32, F32, d), _tensor(32, F32, d)], dyt),
+        "dyt_channel_alpha_no_bias": (lambda d: [_tensor((4, 32), F32, d), _tensor(32, F32, d, positive=True),
+                                                 _tensor(32, F32, d)], dyt),
+        "group_norm": (lambda d: [_tensor((2, 8, 5), F32, d), _tensor(8, F32, d), _tensor(8, F32, d)],
+                       lambda x, w, b: group_norm(x, 4, w, b, 1e-5)),
+        "kl_div_batchmean": (lambda d: [torch.log_softmax(torch.randn(6, vocab), -1).to(d).requires_grad_(),
+                                        torch.softmax(torch.randn(6, vocab), -1).to(d)],
+                             lambda i, t: kl_div(i, t, "batchmean")),
+        "kl_div_none_log_target": (lambda d: [torch.log_softmax(torch.randn(2, 3, vocab), -1).to(d).requires_grad_(),
+                                              torch.log_softmax(torch.randn(2, 3, vocab), -1).to(d)],
+                                   lambda i, t: kl_div(i, t, "none", log_target=True)),
+        "embedding_padding": (lambda d: [torch.randint(0, 20, (3, 7)).to(d), _tensor((20, 16), F32, d)],
+                              lambda i, w: embedding(i, w, padding_idx=-1)),
+        "embedding_scale_by_freq": (lambda d: [torch.randint(0, 5, (12,)).to(d), _tensor((5, 16), F32, d)],
+                                    lambda i, w: embedding(i, w, scale_grad_by_freq=True)),
+        "cross_entropy": (lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d)],
+                          cross_entropy),
+        "cross_entropy_bf16_none": (lambda d: [_tensor((2, 5, vocab), BF16, d, scale=2.0),
+                                               _labels((2, 5), vocab, d)],
+                                    lambda x, t: cross_entropy(x, t, reduction="none")),
+        "cross_entropy_smoothed_weighted": (
+            lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d),
+                       _tensor(vocab, F32, d, grad=False, positive=True)],
+            lambda x, t, w: cross_entropy(x, t, label_smoothing=0.1, weight=w)),
+        "cross_entropy_overwrite_logits": (
+            lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d)],
+            lambda x, t: cross_entropy(x, t, overwrite_logits=True)),
+        "fused_linear_cross_entropy": (
+            lambda d: [_tensor((2, 4, 32), F32, d), _tensor((vocab, 32), F32, d, scale=0.2),
+                       _labels((2, 4), vocab, d)],
+            lambda h, w, t: fused_linear_cross_entropy(h, w, t)),
+        "fused_linear_cross_entropy_bias_sum": (
+            lambda d: [_tensor((8, 32), F32, d), _tensor((vocab, 32), F32, d, scale=0.2),
+                       _labels((8,), vocab, d), _tensor(vocab, F32, d)],
+            lambda h, w, t, b: fused_linear_cross_entropy(h, w, t, b, reduction="sum", label_smoothing=0.05)),
+        "fused_linear_cross_entropy_none_weighted": (
+            lambda d: [_tensor((8, 32), BF16, d), _tensor((vocab, 32), BF16, d, scale=0.2),
+                       _labels((8,), vocab, d), _tensor(vocab, F32, d, grad=False, positive=True)],
+            lambda h, w, t, cw: fused_linear_cross_entropy(h, w, t, reduction="none", ce_weight=cw)),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_small_call_is_torchs_and_agrees_with_the_kernels(name, device, route, onca_ops):
+    make, call = CASES[name]
+    inputs = make(device)
+    taken = small_calls.taken
+    out, grads = _run(call, inputs)
+    assert onca_ops == [], f"{name}: the small call ran Onca ops {onca_ops}"
+    assert small_calls.taken == taken + 1
+
+    small_calls.set_limit(0)
+    expected, expected_grads = _run(call, inputs)
+    assert onca_ops, f"{name}: with the route off no Onca op ran"
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert_close(out, expected, out.dtype)
+    assert len(grads) == len(expected_grads)
+    for grad, want in zip(grads, expected_grads):
+        assert grad.dtype == want.dtype and grad.shape == want.shape
+        assert_close(grad, want, grad.dtype)
+
+
+def test_overwrite_inputs_on_torchs_route_leaves_the_inputs(device, route):
+    a, b = _tensor((5, 64), F32, device), _tensor((5, 64), F32, device)
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    swiglu(a, b, overwrite_inputs=True).sum().backward()
+    assert torch.equal(a.detach(), a0) and torch.equal(b.detach(), b0)
+
+
+# Calls torch's op does not compute as Onca's does: they stay Onca's at any size.
+KEPT = {
+    "layer_norm_mixed_dtypes": lambda d: layer_norm(_tensor((4, 32), BF16, d), _tensor(32, F32, d)),
+    "dyt_mixed_dtypes": lambda d: dyt(_tensor((4, 32), BF16, d), _tensor((), F32, d), _tensor(32, F32, d)),
+    "group_norm_mixed_dtypes": lambda d: group_norm(_tensor((2, 8, 5), BF16, d), 4, _tensor(8, F32, d)),
+    "swiglu_gate_multiplier": lambda d: swiglu(_tensor((5, 64), F32, d), _tensor((5, 64), F32, d),
+                                               gate_multiplier=2.0),
+    "kl_div_target_gradient": lambda d: kl_div(torch.log_softmax(torch.randn(4, 8), -1).to(d),
+                                               torch.softmax(torch.randn(4, 8), -1).to(d).requires_grad_()),
+    "embedding_deterministic": lambda d: embedding(torch.randint(0, 5, (6,)).to(d), _tensor((5, 8), F32, d),
+                                                   deterministic=True),
+    "embedding_check_bounds": lambda d: embedding(torch.randint(0, 5, (6,)).to(d), _tensor((5, 8), F32, d),
+                                                  check_bounds=True),
+    "cross_entropy_softcap": lambda d: cross_entropy(_tensor((4, 16), F32, d), _labels((4,), 16, d, 0),
+                                                     softcap=30.0),
+    "cross_entropy_z_loss": lambda d: cross_entropy(_tensor((4, 16), F32, d), _labels((4,), 16, d, 0),
+                                                    lse_square_scale=1e-4),
+    "cross_entropy_accuracy": lambda d: cross_entropy(_tensor((4, 16), F32, d), _labels((4,), 16, d, 0),
+                                                      return_token_accuracy=True).loss,
+    "fused_linear_cross_entropy_token_scaling": lambda d: fused_linear_cross_entropy(
+        _tensor((4, 8), F32, d), _tensor((16, 8), F32, d), _labels((4,), 16, d, 0), use_token_scaling=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT))
+def test_options_torch_does_not_compute_keep_oncas_op(name, device, route, onca_ops):
+    taken = small_calls.taken
+    KEPT[name](device)
+    assert onca_ops, f"{name} took torch's route"
+    assert small_calls.taken == taken
+
+
+def test_a_call_above_the_limit_keeps_oncas_op(device, route, onca_ops):
+    x = _tensor((4, 32), F32, device)
+    small_calls.set_limit(4 * 32)
+    layer_norm(x)
+    assert onca_ops == []
+    small_calls.set_limit(4 * 32 - 1)
+    layer_norm(x)
+    assert onca_ops == ["layer_norm_forward"]
+
+
+def test_a_traced_call_keeps_oncas_op(device, route):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm
+
+    x = _tensor((4, 32), F32, device, grad=False)
+    torch.compile(lambda t: layer_norm(t), backend=backend, fullgraph=True)(x)
+    assert "onca.layer_norm_forward" in graphs[0] and "aten" not in graphs[0]
+
+
+def test_the_route_is_for_cuda_by_default():
+    assert small_calls.DEVICE_TYPES == ("cuda",)
+    previous = small_calls.set_limit(small_calls.DEFAULT_LIMIT)
+    try:
+        assert not small_calls.small(1, torch.empty(1))
+        assert small_calls.small(1, torch.empty(1, device="meta")) is False
+    finally:
+        small_calls.set_limit(previous)
+
+
+def test_the_limit_is_set_by_name_and_checked(monkeypatch):
+    previous = onca.set_small_call_limit(123)
+    try:
+        assert onca.small_call_limit() == 123
+        assert onca.set_small_call_limit(0) == 123
+        for bad in (-1, 1.5, True, "8"):
+            with pytest.raises(ValueError, match="elements must be an int >= 0"):
+                onca.set_small_call_limit(bad)
+    finally:
+        onca.set_small_call_limit(previous)
+    monkeypatch.setenv("ONCA_SMALL_CALL_LIMIT", "lots")
+    with pytest.raises(ValueError, match="ONCA_SMALL_CALL_LIMIT must be a whole number"):
+        small_calls._limit_from_environment()
+    monkeypatch.setenv("ONCA_SMALL_CALL_LIMIT", "-3")
+    with pytest.raises(ValueError, match="ONCA_SMALL_CALL_LIMIT must be 0"):
+        small_calls._limit_from_environment()
+    monkeypatch.setenv("ONCA_SMALL_CALL_LIMIT", "4096")
+    assert small_calls._limit_from_environment() == 4096
+    monkeypatch.delenv("ONCA_SMALL_CALL_LIMIT")
+    assert small_calls._limit_from_environment() == small_calls.DEFAULT_LIMIT
