@@ -215,6 +215,16 @@ def test_a_call_above_the_limit_keeps_oncas_op(device, route, onca_ops):
     assert onca_ops == ["layer_norm_forward"]
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "softmax_middle_dim", "cross_entropy", "kl_div_batchmean"])
+def test_a_call_under_autocast_keeps_oncas_op(name, device, route, onca_ops):
+    # autocast runs these torch ops in fp32 and returns fp32; Onca's keep the input's dtype.
+    make, call = CASES[name]
+    inputs = make(device)
+    with torch.autocast(device_type=device, dtype=BF16):
+        out = call(*inputs)
+    assert onca_ops and out.dtype == inputs[0].dtype
+
+
 def test_a_traced_call_keeps_oncas_op(device, route):
     graphs = []
 

@@ -9,7 +9,8 @@ host: an empty Function 104 µs, torch's LayerNorm of 16 tokens 68 to 154 µs). 
 function therefore calls torch's op when the call is *small*:
 
 - eager (nothing tracing: under ``torch.compile`` the host path is gone and the graph keeps Onca's
-  op, whatever the size),
+  op, whatever the size) and outside ``torch.autocast`` (which would run several of torch's ops in
+  fp32 and return fp32 where Onca's keep the input's dtype),
 - on a device type in :data:`DEVICE_TYPES` (CUDA: the interpreter exists to run Onca's kernels,
   and torch_npu's ops are not measured),
 - its largest tensor at most :func:`limit` elements (default :data:`DEFAULT_LIMIT`, 2**22: 8 MB in
@@ -74,7 +75,9 @@ def small(elements: int, *tensors: torch.Tensor) -> bool:
     """Whether a call whose largest tensor has ``elements`` elements, on ``tensors`` (the first
     decides the device), takes torch's route; counted in :data:`taken` when it does."""
     global taken
-    if elements > _limit or _limit == 0 or tensors[0].device.type not in DEVICE_TYPES or tracing(*tensors):
+    device_type = tensors[0].device.type
+    if (elements > _limit or _limit == 0 or device_type not in DEVICE_TYPES or tracing(*tensors)
+            or torch.is_autocast_enabled(device_type)):
         return False
     taken += 1
     return True
