@@ -125,6 +125,10 @@ def _cases():
             lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d),
                        _tensor(vocab, F32, d, grad=False, positive=True)],
             lambda x, t, w: cross_entropy(x, t, label_smoothing=0.1, weight=w)),
+        "cross_entropy_bf16_class_weights": (
+            lambda d: [_tensor((9, vocab), BF16, d, scale=2.0), _labels((9,), vocab, d),
+                       _tensor(vocab, BF16, d, grad=False, positive=True)],
+            lambda x, t, w: cross_entropy(x, t, weight=w)),
         "cross_entropy_overwrite_logits": (
             lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d)],
             lambda x, t: cross_entropy(x, t, overwrite_logits=True)),
@@ -138,7 +142,7 @@ def _cases():
             lambda h, w, t, b: fused_linear_cross_entropy(h, w, t, b, reduction="sum", label_smoothing=0.05)),
         "fused_linear_cross_entropy_none_weighted": (
             lambda d: [_tensor((8, 32), BF16, d), _tensor((vocab, 32), BF16, d, scale=0.2),
-                       _labels((8,), vocab, d), _tensor(vocab, F32, d, grad=False, positive=True)],
+                       _labels((8,), vocab, d), _tensor(vocab, BF16, d, grad=False, positive=True)],
             lambda h, w, t, cw: fused_linear_cross_entropy(h, w, t, reduction="none", ce_weight=cw)),
     }
 

@@ -955,6 +955,7 @@ def torch_cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, i
     """A small call's fp32 loss by torch's ops, from the fp32 logits as Hugging Face's loss takes
     them: ``logits`` ``(tokens, vocab)``, ``target`` ``(tokens,)``. A target outside the vocabulary
     stops torch's CUDA kernel with a device-side assertion (Onca's kernel gives NaN there)."""
+    weight = None if weight is None else weight.float()  # read in fp32 whatever its dtype, as the kernel
     return torch.nn.functional.cross_entropy(logits.float(), target, weight, ignore_index=ignore_index,
                                              reduction=reduction, label_smoothing=label_smoothing)
 
