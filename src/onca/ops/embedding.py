@@ -512,6 +512,11 @@ register_autograd(embedding_forward, _backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------ public
 
 
+# The most indices torch's CUDA embedding backward sums without sorting them (its per-feature
+# kernel; more, or scale_grad_by_freq, take its sorting path).
+TORCH_ATOMIC_BACKWARD_INDICES = 3072
+
+
 def normalize_padding_idx(padding_idx, n_embeddings: int) -> int | None:
     """``padding_idx`` in ``[0, n_embeddings)`` (negative values count from the end, as in torch)."""
     if padding_idx is None:
@@ -565,9 +570,13 @@ def embedding(
     the cost of one host-device synchronisation per forward (skipped during CUDA graph capture).
     """
     padding_idx = _validate(indices, weight, padding_idx, scale_grad_by_freq, deterministic, check_bounds)
-    # Bounds checked on the host and bitwise reproducibility asked for stay Onca's.
+    # Bounds checked on the host and bitwise reproducibility asked for stay Onca's, and so do the
+    # calls torch's CUDA backward computes by sorting (more than 3072 indices, or counts for
+    # scale_grad_by_freq): older torch versions read a count on the host there, and Onca's ops
+    # never synchronise; the per-feature path below it launches a fill and one kernel.
     elements = indices.numel() * weight.shape[1]
-    if not (check_bounds or deterministic) and small_calls.small(elements, weight, indices):
+    sync_free = not scale_grad_by_freq and indices.numel() <= TORCH_ATOMIC_BACKWARD_INDICES
+    if sync_free and not (check_bounds or deterministic) and small_calls.small(elements, weight, indices):
         return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx,
                                              scale_grad_by_freq=scale_grad_by_freq)
     flat = indices.reshape(-1).contiguous()
