@@ -75,9 +75,10 @@ def small(elements: int, *tensors: torch.Tensor) -> bool:
     """Whether a call whose largest tensor has ``elements`` elements, on ``tensors`` (the first
     decides the device), takes torch's route; counted in :data:`taken` when it does."""
     global taken
+    if elements > _limit or _limit == 0:  # first: the one check every large call pays
+        return False
     device_type = tensors[0].device.type
-    if (elements > _limit or _limit == 0 or device_type not in DEVICE_TYPES or tracing(*tensors)
-            or torch.is_autocast_enabled(device_type)):
+    if device_type not in DEVICE_TYPES or tracing(*tensors) or torch.is_autocast_enabled(device_type):
         return False
     taken += 1
     return True
