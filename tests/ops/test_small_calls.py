@@ -134,10 +134,13 @@ def _cases():
         "cross_entropy_bf16_none": (lambda d: [_tensor((2, 5, vocab), BF16, d, scale=2.0),
                                                _labels((2, 5), vocab, d)],
                                     lambda x, t: cross_entropy(x, t, reduction="none")),
-        "cross_entropy_smoothed_weighted": (
+        "cross_entropy_smoothed": (
+            lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d)],
+            lambda x, t: cross_entropy(x, t, label_smoothing=0.1)),
+        "cross_entropy_weighted_sum": (
             lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d),
                        _tensor(vocab, F32, d, grad=False, positive=True)],
-            lambda x, t, w: cross_entropy(x, t, label_smoothing=0.1, weight=w)),
+            lambda x, t, w: cross_entropy(x, t, weight=w, reduction="sum")),
         "cross_entropy_bf16_class_weights": (
             lambda d: [_tensor((9, vocab), BF16, d, scale=2.0), _labels((9,), vocab, d),
                        _tensor(vocab, BF16, d, grad=False, positive=True)],
@@ -212,6 +215,13 @@ KEPT = {
                                                      softcap=30.0),
     "cross_entropy_z_loss": lambda d: cross_entropy(_tensor((4, 16), F32, d), _labels((4,), 16, d, 0),
                                                     lse_square_scale=1e-4),
+    # torch's label smoothing with class weights reads a count on the host (its mean's masked_select)
+    "cross_entropy_smoothed_weighted": lambda d: cross_entropy(
+        _tensor((4, 16), F32, d), _labels((4,), 16, d, 0), label_smoothing=0.1,
+        weight=_tensor(16, F32, d, grad=False)),
+    "fused_linear_cross_entropy_smoothed_weighted": lambda d: fused_linear_cross_entropy(
+        _tensor((4, 8), F32, d), _tensor((16, 8), F32, d), _labels((4,), 16, d, 0), label_smoothing=0.1,
+        ce_weight=_tensor(16, F32, d, grad=False, positive=True)),
     "cross_entropy_accuracy": lambda d: cross_entropy(_tensor((4, 16), F32, d), _labels((4,), 16, d, 0),
                                                       return_token_accuracy=True).loss,
     "fused_linear_cross_entropy_token_scaling": lambda d: fused_linear_cross_entropy(

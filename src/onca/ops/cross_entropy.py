@@ -944,10 +944,13 @@ def check_target(target, name: str, shape: tuple[int, ...], what: str) -> Tensor
     return target.reshape(-1)
 
 
-def torch_computes(lse_square_scale, softcap, *returns: bool) -> bool:
-    """Whether torch's ``cross_entropy`` computes a call with these options: no z-loss, no soft
-    cap, nothing returned but the loss (:mod:`onca.ops._small_calls`)."""
-    return lse_square_scale == 0.0 and softcap is None and not any(returns)
+def torch_computes(lse_square_scale, softcap, label_smoothing, weight, *returns: bool) -> bool:
+    """Whether torch's ``cross_entropy`` computes a call with these options without a host
+    synchronisation: no z-loss, no soft cap, nothing returned but the loss, and not label smoothing
+    with class weights (torch's mean then sums the weights of a ``masked_select``, whose size the
+    host reads: caught by CUDA's sync debug mode on PyTorch 2.11) (:mod:`onca.ops._small_calls`)."""
+    return (lse_square_scale == 0.0 and softcap is None and not any(returns)
+            and not (label_smoothing and weight is not None))
 
 
 def torch_cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
@@ -1016,7 +1019,7 @@ def cross_entropy(
     weight = check_class_weight(weight, "weight", logits.shape[-1], logits, "logits")
     # overwrite_logits only lets the op reuse the logits: torch's route allocates instead.
     returns = (return_z_loss, return_token_accuracy, return_predicted_tokens)
-    torch_can = torch_computes(lse_square_scale, softcap, *returns)
+    torch_can = torch_computes(lse_square_scale, softcap, label_smoothing, weight, *returns)
     if torch_can and small_calls.small(logits.numel(), logits, target):
         # 2-D logits and 1-D targets as they are: a view is one more autograd node, each way.
         needs_rows = logits.dim() > 2

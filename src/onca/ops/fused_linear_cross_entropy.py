@@ -398,7 +398,7 @@ def _fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, labe
     ce_weight = check_class_weight(ce_weight, "ce_weight", weight.shape[0], hidden, "hidden")
     # One GEMM of a few tokens' logits: accum_dtype and chunk_tokens have nothing to act on.
     returns = (return_z_loss, return_token_accuracy, return_predicted_tokens, use_token_scaling)
-    if (torch_computes(lse_square_scale, softcap, *returns)
+    if (torch_computes(lse_square_scale, softcap, label_smoothing, ce_weight, *returns)
             and small_calls.small(h2d.shape[0] * weight.shape[0], hidden, weight, target)):
         # 2-D hidden states and 1-D targets as they are: a view is one more autograd node, each way.
         needs_rows = hidden.dim() > 2
