@@ -75,6 +75,21 @@ def test_precomputed_reference_and_aux(device):
     assert aux["kl"].item() == 0.0  # clamped at 0
 
 
+@pytest.mark.parametrize("kl", [-0.5, 0.0, 0.25])
+def test_a_kl_given_as_a_number_is_the_same_as_a_tensor(device, kl):
+    # A number is subtracted as a scalar (and 0 not at all); the loss and the aux's KL are the tensor's.
+    h, w, _, labels = make_inputs(BASE, torch.float32, device)
+    desirable = torch.tensor([True, False, False, True], device=device)
+    ref = torch.randn(4, device=device) - 20
+    loss, aux = fused_linear_kto(h, w, labels, desirable, ref_logps=ref, kl=kl, desirable_weight=1.5,
+                                 return_aux=True)
+    want, want_aux = fused_linear_kto(h, w, labels, desirable, ref_logps=ref, kl=torch.tensor(kl),
+                                      desirable_weight=1.5, return_aux=True)
+    assert torch.equal(loss, want)
+    assert aux["kl"].dtype == torch.float32 and aux["kl"].device == h.device
+    assert torch.equal(aux["kl"], want_aux["kl"])
+
+
 def test_bad_input(device):
     h, w, _, labels = make_inputs(BASE, torch.float32, device)
     flags = torch.ones(4, dtype=torch.bool, device=device)

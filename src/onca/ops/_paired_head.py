@@ -42,12 +42,15 @@ from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradient
 
 __all__ = ["PAIR_LOSSES", "pair_chunks", "paired_loss", "register_pair_loss", "stack_extras", "use_paired_chunks"]
 
-# name -> fn(chosen_sums, rejected_sums, chosen_counts, rejected_counts, extras, loss_type, params)
-# (the counts of non-ignored labels, 0 for a sequence with none) returning (per-pair losses, their
-# derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair of the chunk. In closed
-# form: inside a custom op autograd is off (the dispatcher runs it below autograd) and torch.func
-# fails under a dispatch mode (a FLOP counter, selective activation checkpointing). The losses are
-# differentiable torch: the two-pass route takes their gradient from autograd.
+# name -> fn(chosen_sums, rejected_sums, counts, extras, loss_type, params, grads) returning
+# (per-pair losses, their derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair
+# of the chunk; ``counts()`` gives (chosen_counts, rejected_counts), the counts of non-ignored labels
+# (0 for a sequence with none), for the loss types that use them (a small call's torch route makes
+# them only then); ``extras`` iterates over the per-pair tensors. The derivatives are in closed form:
+# inside a custom op autograd is off (the dispatcher runs it below autograd) and torch.func fails
+# under a dispatch mode (a FLOP counter, selective activation checkpointing). With ``grads=False``
+# (the two-pass route, which takes the losses' gradient from autograd: they are differentiable
+# torch) the derivatives are None and not computed.
 PAIR_LOSSES: dict = {}
 # The largest scratch of one pair's logits the pair-aligned path takes (a fixed bound, not the free
 # memory: the choice is made where torch.compile traces, and must not depend on the moment): 2 GiB
@@ -124,9 +127,9 @@ def paired_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
                      1.0, 0.0, 1.0)
         chunk_sums = logp[: 2 * n].view(2, g, seq).sum(-1)
         sums[i0:i1], sums[pairs + i0:pairs + i1] = chunk_sums[0], chunk_sums[1]
-        losses, coef_c, coef_r = PAIR_LOSSES[loss](chunk_sums[0], chunk_sums[1], counts[i0:i1],
-                                                   counts[pairs + i0:pairs + i1], extras[:, i0:i1],
-                                                   loss_type, params)
+        chunk_counts = (counts[i0:i1], counts[pairs + i0:pairs + i1])
+        losses, coef_c, coef_r = PAIR_LOSSES[loss](chunk_sums[0], chunk_sums[1], lambda: chunk_counts,
+                                                   extras[:, i0:i1], loss_type, params, True)
         total += losses.sum() / pairs
         coef_c, coef_r = coef_c / pairs, coef_r / pairs
         if nll_weight:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, validate_head
-from onca.ops._paired_head import PAIR_LOSSES, paired_loss, stack_extras, use_paired_chunks
+from onca.ops._paired_head import PAIR_LOSSES, paired_loss, use_paired_chunks
 from onca.ops._validate import check_accum_dtype, check_bool, check_float, check_number, check_tensor
 
 __all__ = [
@@ -32,13 +32,33 @@ __all__ = [
 
 class SequenceSums:
     """Per-sequence log-probability sums of ``(sequences, T)`` labels, with the sequences' token
-    counts and means (the mean is 0 for a sequence with every token ignored)."""
+    counts and means (the mean is 0 for a sequence with every token ignored), each made when first
+    read: a loss that reads only the sums launches nothing more (at small sizes each small torch
+    op is a host cost of its own)."""
 
     def __init__(self, sums: Tensor, labels: Tensor, ignore_index: int):
-        self.mask = labels != ignore_index
         self.sums = sums
-        self.counts = self.mask.sum(-1).to(torch.float32)
-        self.means = self.sums / self.counts.clamp(min=1.0)
+        self._labels, self._ignore_index = labels, ignore_index
+        self._mask = self._counts = self._means = None  # made when first read (no cached_property:
+        # Python 3.11's takes a lock, which torch.compile cannot trace)
+
+    @property
+    def mask(self) -> Tensor:
+        if self._mask is None:
+            self._mask = self._labels != self._ignore_index
+        return self._mask
+
+    @property
+    def counts(self) -> Tensor:
+        if self._counts is None:
+            self._counts = self.mask.sum(-1).to(torch.float32)
+        return self._counts
+
+    @property
+    def means(self) -> Tensor:
+        if self._means is None:
+            self._means = self.sums / self.counts.clamp(min=1.0)
+        return self._means
 
 
 class SequenceLogps(SequenceSums):
@@ -112,8 +132,9 @@ def policy_pair_logps(hidden, weight, labels, bias, extras, *, loss, loss_type, 
         return value, SequenceSums(sums, labels, ignore_index)
     logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
                          accum_dtype=accum_dtype)
-    losses = PAIR_LOSSES[loss](*split_pairs(logps.sums), *split_pairs(logps.counts), stack_extras(extras, hidden),
-                               loss_type, params)[0]
+    extras = tuple(e.detach().to(torch.float32) for e in extras)
+    losses = PAIR_LOSSES[loss](*split_pairs(logps.sums), lambda: split_pairs(logps.counts), extras, loss_type,
+                               params, False)[0]
     value = losses.mean()
     if nll_weight:
         value = value + nll_weight * chosen_nll(logps)

@@ -47,7 +47,9 @@ def cpo_losses(loss_type: str, beta: float, gamma: float, label_smoothing: float
     """Per-pair CPO losses ``(B,)`` of the margins ``x = pi_c - pi_r``, as TRL 1.16 computes them."""
     ls = label_smoothing
     if loss_type in ("sigmoid", "simpo"):
-        z = beta * x - (gamma if loss_type == "simpo" else 0.0)
+        z = beta * x - gamma if loss_type == "simpo" else beta * x
+        if not ls:  # one small kernel fewer each way, for the common case
+            return -F.logsigmoid(z)
         return -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
     if loss_type == "hinge":
         return torch.relu(1 - beta * x)
@@ -73,12 +75,18 @@ def _averaged(loss_type: str) -> bool:
     return loss_type in ("ipo", "simpo")
 
 
-def _pair_loss(sums_c, sums_r, counts_c, counts_r, extras, loss_type, params):
-    """The per-pair CPO losses and their derivatives w.r.t. the sequences' sums, on the
-    pair-aligned path (:mod:`onca.ops._paired_head`)."""
+def _pair_loss(sums_c, sums_r, counts, extras, loss_type, params, grads):
+    """The per-pair CPO losses (and, with ``grads``, their derivatives w.r.t. the sequences' sums)
+    for :mod:`onca.ops._paired_head`."""
     beta, gamma, label_smoothing = params
-    n_c, n_r = (counts_c.clamp(min=1.0), counts_r.clamp(min=1.0)) if _averaged(loss_type) else (1.0, 1.0)
-    losses, dx = cpo_loss_grads(loss_type, beta, gamma, label_smoothing, sums_c / n_c - sums_r / n_r)
+    if _averaged(loss_type):
+        n_c, n_r = (c.clamp(min=1.0) for c in counts())
+        x = sums_c / n_c - sums_r / n_r
+    else:
+        n_c, n_r, x = 1.0, 1.0, sums_c - sums_r
+    if not grads:
+        return cpo_losses(loss_type, beta, gamma, label_smoothing, x), None, None
+    losses, dx = cpo_loss_grads(loss_type, beta, gamma, label_smoothing, x)
     return losses, dx / n_c, -dx / n_r
 
 

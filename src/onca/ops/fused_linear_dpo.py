@@ -138,13 +138,18 @@ def dpo_loss_grads(loss_type: str, beta: float, label_smoothing: float, chosen_l
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
-def _pair_loss(sums_c, sums_r, counts_c, counts_r, extras, loss_type, params):
-    """The per-pair DPO losses and their derivatives w.r.t. the sequences' sums, on the
-    pair-aligned path (:mod:`onca.ops._paired_head`)."""
-    ref_c, ref_r = extras.unbind(0)
+# The loss types that divide by a sequence's token count.
+_BY_LENGTH = ("ipo", "sigmoid_norm")
+
+
+def _pair_loss(sums_c, sums_r, counts, extras, loss_type, params, grads):
+    """The per-pair DPO losses (and, with ``grads``, their derivatives w.r.t. the sequences' sums)
+    for :mod:`onca.ops._paired_head`."""
+    ref_c, ref_r = extras
     beta, label_smoothing = params
-    return dpo_loss_grads(loss_type, beta, label_smoothing, sums_c - ref_c, sums_r - ref_r, counts_c.clamp(min=1.0),
-                          counts_r.clamp(min=1.0))
+    n_c, n_r = (c.clamp(min=1.0) for c in counts()) if loss_type in _BY_LENGTH else (1.0, 1.0)
+    args = (loss_type, beta, label_smoothing, sums_c - ref_c, sums_r - ref_r, n_c, n_r)
+    return dpo_loss_grads(*args) if grads else (dpo_losses(*args), None, None)
 
 
 register_pair_loss("dpo", _pair_loss)

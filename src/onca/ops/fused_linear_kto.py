@@ -41,7 +41,9 @@ LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
 def _kl_estimate(kl, kl_hidden, ref_kl_hidden, kl_labels, weight, bias, ref_weight, ref_bias, ignore_index,
-                 chunk_tokens, like: Tensor) -> Tensor:
+                 chunk_tokens, like: Tensor) -> Tensor | float:
+    """The batch's KL estimate, clamped at 0: a detached fp32 scalar tensor, or a float where ``kl``
+    is a number (the loss then subtracts it as a scalar: no device tensor to make)."""
     if kl is not None:
         if kl_hidden is not None or ref_kl_hidden is not None:
             raise ValueError("give the KL estimate either as kl or as kl_hidden/ref_kl_hidden/kl_labels, not both")
@@ -50,7 +52,7 @@ def _kl_estimate(kl, kl_hidden, ref_kl_hidden, kl_labels, weight, bias, ref_weig
                 raise ValueError(f"kl must be a number or a one-element tensor, got shape {tuple(kl.shape)}")
             return kl.detach().reshape(()).to(device=like.device, dtype=torch.float32).clamp(min=0)
         check_number(kl, "kl")
-        return torch.full((), float(kl), dtype=torch.float32, device=like.device).clamp(min=0)
+        return max(float(kl), 0.0)
     if kl_hidden is None and ref_kl_hidden is None:
         return torch.zeros((), dtype=torch.float32, device=like.device)
     if kl_hidden is None or ref_kl_hidden is None or kl_labels is None:
@@ -126,13 +128,17 @@ def fused_linear_kto(
                          accum_dtype=accum_dtype)
     lr = logps.sums - ref_sums
     if loss_type == "kto":
-        losses = torch.where(desirable, 1 - torch.sigmoid(beta * (lr - kl_value)),
-                             1 - torch.sigmoid(beta * (kl_value - lr)))
+        # A KL given as 0 subtracts nothing (each small op is a host cost of its own at small sizes).
+        margin = lr - kl_value if isinstance(kl_value, Tensor) or kl_value else lr
+        losses = torch.where(desirable, 1 - torch.sigmoid(beta * margin), 1 - torch.sigmoid(-beta * margin))
     else:
         losses = torch.where(desirable, 1 - torch.sigmoid(beta * lr), torch.sigmoid(beta * lr))
-    weights = torch.where(desirable, float(desirable_weight), float(undesirable_weight))
-    loss = (weights * losses).mean()
+    if desirable_weight != 1.0 or undesirable_weight != 1.0:
+        losses = torch.where(desirable, float(desirable_weight), float(undesirable_weight)) * losses
+    loss = losses.mean()
     if not return_aux:
         return loss
+    if not isinstance(kl_value, Tensor):
+        kl_value = torch.full((), kl_value, dtype=torch.float32, device=hidden.device)
     return loss, {"logps": logps.sums.detach(), "ref_logps": ref_sums, "rewards": beta * lr.detach(),
                   "desirable": desirable, "kl": kl_value}

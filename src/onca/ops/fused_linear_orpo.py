@@ -54,13 +54,17 @@ def odds_ratio_grads(avg_c: Tensor, avg_r: Tensor, present: Tensor) -> tuple[Ten
     return ratio, outer / -torch.expm1(safe_c), -outer / -torch.expm1(safe_r)
 
 
-def _pair_loss(sums_c, sums_r, counts_c, counts_r, extras, loss_type, params):
-    """The per-pair odds-ratio losses ``-beta logsigmoid(log_odds)`` and their derivatives w.r.t.
-    the sequences' sums, on the pair-aligned path (:mod:`onca.ops._paired_head`); the NLL term is
-    the path's ``nll_weight``."""
+def _pair_loss(sums_c, sums_r, counts, extras, loss_type, params, grads):
+    """The per-pair odds-ratio losses ``-beta logsigmoid(log_odds)`` (and, with ``grads``, their
+    derivatives w.r.t. the sequences' sums) for :mod:`onca.ops._paired_head`; the NLL term is the
+    path's ``nll_weight``."""
     (beta,) = params
+    counts_c, counts_r = counts()
     n_c, n_r = counts_c.clamp(min=1.0), counts_r.clamp(min=1.0)
-    ratio, d_c, d_r = odds_ratio_grads(sums_c / n_c, sums_r / n_r, (counts_c > 0) & (counts_r > 0))
+    present = (counts_c > 0) & (counts_r > 0)
+    if not grads:
+        return -beta * odds_ratios(sums_c / n_c, sums_r / n_r, present)[1], None, None
+    ratio, d_c, d_r = odds_ratio_grads(sums_c / n_c, sums_r / n_r, present)
     return -beta * ratio, -beta * d_c / n_c, -beta * d_r / n_r
 
 
