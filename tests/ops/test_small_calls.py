@@ -20,7 +20,16 @@ from onca.ops._contract import Op
 from onca.ops.cross_entropy import cross_entropy
 from onca.ops.dyt import dyt
 from onca.ops.embedding import embedding
+from onca.ops._chunked_head import chunked_logprobs
+from onca.ops.fused_linear_cpo import fused_linear_cpo
 from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from onca.ops.fused_linear_dpo import fused_linear_dpo
+from onca.ops.fused_linear_grpo import fused_linear_grpo
+from onca.ops.fused_linear_kto import fused_linear_kto
+from onca.ops.fused_linear_logprobs import fused_linear_logprobs
+from onca.ops.fused_linear_orpo import fused_linear_orpo
+from onca.ops.fused_linear_scaled_cross_entropy import fused_linear_scaled_cross_entropy
+from onca.ops.fused_linear_simpo import fused_linear_simpo
 from onca.ops.geglu import geglu
 from onca.ops.group_norm import group_norm
 from onca.ops.kl_div import kl_div
@@ -187,6 +196,112 @@ def test_a_small_call_is_torchs_and_agrees_with_the_kernels(name, device, route,
         assert_close(grad, want, grad.dtype)
 
 
+# The heads of the post-training losses (onca.ops._chunked_head.torch_logprobs): name -> (inputs,
+# call). Sequences (2B, T) of a small head; a whole sequence ignored in one of them (the token
+# counts, the lengths' clamps and ORPO's empty-pair mask on both routes).
+def _head_inputs(d, dtype=F32, sequences=4, seq=6, hidden=16, vocab=24):
+    labels = _labels((sequences, seq), vocab, d)
+    labels[-1] = -100
+    head = _tensor((vocab, hidden), dtype, d, scale=0.5)
+    return [_tensor((sequences, seq, hidden), dtype, d), head, labels]
+
+
+def _ref_inputs(d, dtype=F32):
+    return _head_inputs(d, dtype) + [_tensor((4, 6, 16), dtype, d, grad=False),
+                                     _tensor((24, 16), dtype, d, grad=False, scale=0.5)]
+
+
+def _stacked(out):
+    """fused_linear_logprobs' outputs as one tensor: log-probabilities, entropies, then the detached
+    statistics asked for (their values compared; the top-1 flags as 0/1)."""
+    return torch.stack([t.to(out.log_probs.dtype) for t in out if t is not None])
+
+
+HEAD_CASES = {
+    "chunked_logprobs_temperature_bias": (
+        lambda d: _head_inputs(d) + [_tensor(24, F32, d)],
+        lambda h, w, y, b: torch.stack(chunked_logprobs(h, w, y, b, temperature=0.7, entropy=True))),
+    "logprobs_softcap_scale_bf16": (
+        lambda d: _head_inputs(d, BF16),
+        lambda h, w, y: _stacked(fused_linear_logprobs(h, w, y, temperature=1.3, softcap=4.0,
+                                                       logit_scale=0.5))),
+    "logprobs_logit_scale_every_statistic": (
+        lambda d: _head_inputs(d),
+        lambda h, w, y: _stacked(fused_linear_logprobs(
+            h, w, y, logit_scale=2.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")))),
+    "logprobs_softcap_statistics_no_entropy": (
+        lambda d: _head_inputs(d),
+        lambda h, w, y: _stacked(fused_linear_logprobs(h, w, y, softcap=3.0,
+                                                       outputs=("mean_logits", "is_top1")))),
+    "scaled_cross_entropy_entropy": (
+        lambda d: _head_inputs(d),
+        lambda h, w, y: torch.stack(fused_linear_scaled_cross_entropy(h, w, y, 0.8, return_entropy=True))),
+    "dpo_sigmoid": (_ref_inputs, lambda h, w, y, rh, rw: fused_linear_dpo(h, w, y, rh, rw, beta=0.2)),
+    "dpo_ipo_bf16": (lambda d: _ref_inputs(d, BF16),
+                     lambda h, w, y, rh, rw: fused_linear_dpo(h, w, y, rh, rw, loss_type="ipo",
+                                                              nll_weight=0.5)),
+    "dpo_robust_smoothed": (_ref_inputs, lambda h, w, y, rh, rw: fused_linear_dpo(
+        h, w, y, rh, rw, loss_type="robust", label_smoothing=0.1)),
+    "cpo_smoothed": (_head_inputs, lambda h, w, y: fused_linear_cpo(h, w, y, label_smoothing=0.1)),
+    "cpo_ipo": (_head_inputs, lambda h, w, y: fused_linear_cpo(h, w, y, loss_type="ipo")),
+    "simpo": (_head_inputs, lambda h, w, y: fused_linear_simpo(h, w, y)),
+    "orpo": (_head_inputs, lambda h, w, y: fused_linear_orpo(h, w, y)),
+    "kto_kl_number_weighted": (
+        lambda d: _ref_inputs(d) + [torch.tensor([True, False, True, False], device=d)],
+        lambda h, w, y, rh, rw, good: fused_linear_kto(h, w, y, good, rh, rw, kl=0.3, desirable_weight=1.5)),
+    "kto_kl_zero": (
+        lambda d: _ref_inputs(d) + [torch.tensor([True, False, False, True], device=d)],
+        lambda h, w, y, rh, rw, good: fused_linear_kto(h, w, y, good, rh, rw, kl=0.0)),
+    "grpo_temperature": (
+        lambda d: _head_inputs(d) + [_tensor(4, F32, d, grad=False)],
+        lambda h, w, y, adv: fused_linear_grpo(h, w, y, adv, temperature=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEAD_CASES))
+def test_a_small_head_is_torchs_and_agrees_with_the_chunk_driver(name, device, route, onca_ops):
+    make, call = HEAD_CASES[name]
+    inputs = make(device)
+    taken = small_calls.taken
+    with _no_host_sync(device):
+        out, grads = _run(call, inputs)
+    assert onca_ops == [], f"{name}: the small call ran Onca ops {onca_ops}"
+    assert small_calls.taken > taken  # the policy's head, and the reference model's where there is one
+
+    small_calls.set_limit(0)
+    expected, expected_grads = _run(call, inputs)
+    assert onca_ops, f"{name}: with the route off no Onca op ran"
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert_close(out, expected, out.dtype)
+    assert len(grads) == len(expected_grads) > 0
+    for grad, want in zip(grads, expected_grads):
+        assert grad.dtype == want.dtype and grad.shape == want.shape
+        assert_close(grad, want, grad.dtype)
+
+
+def test_a_small_heads_top1_flags_are_the_kernels(device, route):
+    h, w, y = _head_inputs(device)
+    with torch.no_grad():
+        best = (h @ w.T).argmax(-1)
+    y = torch.where(torch.arange(y.shape[1], device=device) % 2 == 0, best, y)  # every other label the top-1
+    y[-1] = -100
+    routed = fused_linear_logprobs(h, w, y, outputs=("is_top1",)).is_top1
+    small_calls.set_limit(0)
+    kernels = fused_linear_logprobs(h, w, y, outputs=("is_top1",)).is_top1
+    assert routed.dtype == torch.bool and torch.equal(routed, kernels)
+    assert 9 <= int(routed.sum()) < 24
+
+
+def test_a_head_above_the_limit_keeps_oncas_op(device, route, onca_ops):
+    h, w, y = _head_inputs(device)  # 24 tokens x 24 columns of logits
+    small_calls.set_limit(24 * 24)
+    chunked_logprobs(h, w, y)
+    assert onca_ops == []
+    small_calls.set_limit(24 * 24 - 1)
+    chunked_logprobs(h, w, y)
+    assert onca_ops == ["chunked_logprob_forward"]
+
+
 def test_overwrite_inputs_on_torchs_route_leaves_the_inputs(device, route):
     a, b = _tensor((5, 64), F32, device), _tensor((5, 64), F32, device)
     a0, b0 = a.detach().clone(), b.detach().clone()
@@ -267,6 +382,9 @@ def test_a_traced_call_keeps_oncas_op(device, route):
     x = _tensor((4, 32), F32, device, grad=False)
     torch.compile(lambda t: layer_norm(t), backend=backend, fullgraph=True)(x)
     assert "onca.layer_norm_forward" in graphs[0] and "aten" not in graphs[0]
+    h, w, y = (t.detach() for t in _head_inputs(device))
+    torch.compile(lambda *args: chunked_logprobs(*args)[0], backend=backend, fullgraph=True)(h, w, y)
+    assert "onca.chunked_logprob_forward" in graphs[1] and "log_softmax" not in graphs[1]
 
 
 def test_the_route_is_for_cuda_by_default():

@@ -34,6 +34,11 @@ Interface (for the losses here, and for a TRL ``_ChunkedLogProbFunction``-style 
 entropy of ``softmax(z_t)`` (0 where ignored) or None. Both are differentiable: their gradients
 reach ``hidden``, ``weight`` and ``bias``.
 
+Small calls (logits of at most :func:`onca.ops._small_calls.limit` elements, eager, on CUDA) take
+:func:`torch_logprobs` instead: the logits by one GEMM and torch's fp32 ``log_softmax``, autograd
+for the gradient (a post-training loss at a few tokens is bound by its host path, and this one is
+the unfused reference's). The paired losses then take this entry too, not the pair-aligned path.
+
 Why two passes (per-token statistics in forward, recomputed logits in backward) rather than the
 gradient computed in forward as fused linear cross entropy does: a preference or RL loss's gradient
 w.r.t. a token's log-probability is known only once every sequence's sum is known (DPO's sigmoid of
@@ -68,6 +73,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._matmul import accumulate_dw, accumulate_mm
@@ -96,6 +102,8 @@ __all__ = [
     "head_inputs",
     "head_logits",
     "head_scales",
+    "small_head",
+    "torch_logprobs",
     "launch_grad",
     "launch_stats",
     "logprob_grads",
@@ -672,10 +680,55 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tenso
     validate_head(hidden, weight, labels, bias)
     accum_fp32 = check_accum_dtype(accum_dtype, weight.dtype)
     args = (hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens, accum_fp32)
+    if small_head(hidden, weight, labels):
+        logp, ent, *_ = torch_logprobs(hidden, weight, bias, labels, ignore_index, float(temperature),
+                                       0.0, 1.0, entropy)
+        return logp, ent
     if cast:
         with torch.autocast(hidden.device.type, enabled=False):
             return _chunked_logprobs(*args)
     return _chunked_logprobs(*args)
+
+
+def small_head(hidden: Tensor, weight: Tensor, labels: Tensor, *, count: bool = True) -> bool:
+    """Whether a head call is small (:mod:`onca.ops._small_calls`: its logits at most the limit's
+    elements, eager, on CUDA, outside autocast); counted as taken when ``count``."""
+    logits = labels.numel() * weight.shape[0]
+    if count:
+        return small_calls.small(logits, hidden, weight)
+    return small_calls.fits(logits, hidden, weight)
+
+
+def torch_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, ignore_index: int,
+                   temperature: float, softcap: float, logit_scale: float, entropy: bool,
+                   log_sum_sq_probs: bool = False, mean_logits: bool = False,
+                   is_top1: bool = False) -> tuple[Tensor, ...]:
+    """A small call's ``(logp, entropy, log_sum_sq_probs, mean_logits, is_top1)`` (each statistic
+    None unless asked for; shaped like ``labels``; 0 / False where ignored) by torch's ops: the
+    logits in the input dtype by one GEMM, then in fp32 the transform, ``log_softmax`` and a gather,
+    where the chunk driver's kernels would read the same logits in fp32 (values to rounding, the
+    incoming gradient rounded to the input dtype before the GEMMs, as there). ``logp`` and the
+    entropy take gradients by autograd; the other statistics are detached, as the op's. One
+    difference: a label outside ``[0, V)`` (not ``ignore_index``) stops with torch's device-side
+    assertion where the kernels return NaN."""
+    z = torch.nn.functional.linear(hidden, weight, bias).float()
+    if softcap:
+        z = torch.tanh(z * (logit_scale / softcap)) * (softcap / temperature)
+    elif logit_scale != 1.0 or temperature != 1.0:
+        z = z * (logit_scale / temperature)
+    log_probs = torch.log_softmax(z, -1)
+    scored = labels != ignore_index
+    # An ignored position gathers column 0 and is zeroed; any other label is indexed as it is.
+    logp = log_probs.gather(-1, torch.where(scored, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(scored, logp, 0.0)
+    ent = torch.where(scored, -(log_probs.exp() * log_probs).sum(-1), 0.0) if entropy else None
+    if not (log_sum_sq_probs or mean_logits or is_top1):
+        return logp, ent, None, None, None
+    with torch.no_grad():
+        sq = torch.where(scored, torch.logsumexp(2 * log_probs, -1), 0.0) if log_sum_sq_probs else None
+        mean = torch.where(scored, z.mean(-1), 0.0) if mean_logits else None
+        top1 = (z.argmax(-1) == labels) & scored if is_top1 else None  # torch's argmax: the first maximum
+    return logp, ent, sq, mean, top1
 
 
 def _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens,

@@ -17,6 +17,10 @@ function therefore calls torch's op when the call is *small*:
   bf16, 16 tokens of a 256k vocabulary, 1024 tokens of a 4096-wide row), and
 - its options within what torch's op computes (each op says which; anything else stays Onca's).
 
+The LM heads of the post-training losses and of ``fused_linear_logprobs`` (the chunk driver,
+:mod:`onca.ops._chunked_head`) take the unfused computation the same way, their logits counted as
+the largest tensor: one GEMM, torch's fp32 log-softmax and a gather, autograd for the gradient.
+
 The result is torch's, to its rounding: each op's tests compare both routes. Above the limit the
 kernels' fewer passes and smaller saved state pay off wherever the host runs ahead of the GPU (a
 training step), even where an isolated call on a slow host is still bound by its Python path.
@@ -32,7 +36,7 @@ import torch
 
 from onca.ops._contract import tracing
 
-__all__ = ["DEFAULT_LIMIT", "DEVICE_TYPES", "limit", "set_limit", "small", "same_dtype"]
+__all__ = ["DEFAULT_LIMIT", "DEVICE_TYPES", "fits", "limit", "set_limit", "small", "same_dtype"]
 
 DEFAULT_LIMIT = 1 << 22
 # Device types whose calls may take torch's route.
@@ -71,14 +75,21 @@ def set_limit(elements: int) -> int:
     return previous
 
 
-def small(elements: int, *tensors: torch.Tensor) -> bool:
+def fits(elements: int, *tensors: torch.Tensor) -> bool:
     """Whether a call whose largest tensor has ``elements`` elements, on ``tensors`` (the first
-    decides the device), takes torch's route; counted in :data:`taken` when it does."""
-    global taken
+    decides the device), may take torch's route (not counted: see :func:`small`)."""
     if elements > _limit or _limit == 0:  # first: the one check every large call pays
         return False
     device_type = tensors[0].device.type
-    if device_type not in DEVICE_TYPES or tracing(*tensors) or torch.is_autocast_enabled(device_type):
+    return (device_type in DEVICE_TYPES and not tracing(*tensors)
+            and not torch.is_autocast_enabled(device_type))
+
+
+def small(elements: int, *tensors: torch.Tensor) -> bool:
+    """:func:`fits`, counted in :data:`taken` when it does: the check of the call that then takes
+    torch's route."""
+    global taken
+    if not fits(elements, *tensors):
         return False
     taken += 1
     return True

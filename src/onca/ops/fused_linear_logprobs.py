@@ -42,6 +42,8 @@ from onca.ops._chunked_head import (
     chunked_logprob_forward,
     grad_tiles,
     head_inputs,
+    small_head,
+    torch_logprobs,
     validate_head,
 )
 from onca.ops._rows import as_rows
@@ -116,8 +118,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
     Returns:
         :class:`LogProbOutput` ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``:
         fp32 tensors shaped like ``labels`` (``is_top1`` bool), None for the statistics not asked
-        for. ``log_probs`` is NaN where a label is outside ``[0, V)``. ``log_probs`` and
-        ``entropy`` take gradients.
+        for. ``log_probs`` is NaN where a label is outside ``[0, V)`` (a small call on CUDA, torch's
+        ops, stops with torch's device-side assertion instead: :mod:`onca.ops._small_calls`).
+        ``log_probs`` and ``entropy`` take gradients.
 
     Under ``torch.autocast`` the floating inputs are cast to the autocast dtype first, as
     ``F.linear`` would. See the module docstring for the formulas and the cost.
@@ -136,6 +139,10 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
     validate_head(hidden, weight, labels, bias)
     args = (hidden, weight, labels, bias, ignore_index, float(temperature), float(softcap or 0.0),
             float(logit_scale), outputs, chunk_tokens, check_accum_dtype(accum_dtype, weight.dtype))
+    if small_head(hidden, weight, labels):
+        return LogProbOutput(*torch_logprobs(hidden, weight, bias, labels, ignore_index, float(temperature),
+                                             float(softcap or 0.0), float(logit_scale),
+                                             *(name in outputs for name in OPTIONAL_OUTPUTS)))
     if cast:
         with torch.autocast(hidden.device.type, enabled=False):
             return _fused_linear_logprobs(*args)

@@ -49,10 +49,12 @@ def fused_linear_scaled_cross_entropy(
     (its ``m_tiles_per_cluster`` is a Hopper tiling knob with no counterpart here; its
     ``selected_token_ids`` output is not provided). Both outputs are differentiable w.r.t. ``hidden``,
     ``weight`` and ``bias``. A target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN
-    NLL (checked on the device, without a host synchronisation). ``temperature`` must be a finite
-    number > 0; ``chunk_tokens`` overrides the tokens per chunk (planned from the free device memory
-    by default); ``accum_dtype`` the weight gradient's accumulator over the chunks (None: the
-    weight's dtype, one rounding per chunk; ``torch.float32``: fp32, a head-sized buffer more).
+    NLL (checked on the device, without a host synchronisation); a small call on CUDA (torch's ops,
+    :mod:`onca.ops._small_calls`) stops with torch's device-side assertion instead. ``temperature``
+    must be a finite number > 0; ``chunk_tokens`` overrides the tokens per chunk (planned from the
+    free device memory by default); ``accum_dtype`` the weight gradient's accumulator over the
+    chunks (None: the weight's dtype, one rounding per chunk; ``torch.float32``: fp32, a head-sized
+    buffer more).
     Under ``torch.autocast`` the head's inputs are cast to the autocast dtype first, as
     ``F.linear`` would.
     """
