@@ -245,7 +245,6 @@ HEAD_CASES = {
     "cpo_smoothed": (_head_inputs, lambda h, w, y: fused_linear_cpo(h, w, y, label_smoothing=0.1)),
     "cpo_ipo": (_head_inputs, lambda h, w, y: fused_linear_cpo(h, w, y, loss_type="ipo")),
     "simpo": (_head_inputs, lambda h, w, y: fused_linear_simpo(h, w, y)),
-    "orpo": (_head_inputs, lambda h, w, y: fused_linear_orpo(h, w, y)),
     "kto_kl_number_weighted": (
         lambda d: _ref_inputs(d) + [torch.tensor([True, False, True, False], device=d)],
         lambda h, w, y, rh, rw, good: fused_linear_kto(h, w, y, good, rh, rw, kl=0.3, desirable_weight=1.5)),
@@ -277,6 +276,14 @@ def test_a_small_head_is_torchs_and_agrees_with_the_chunk_driver(name, device, r
     for grad, want in zip(grads, expected_grads):
         assert grad.dtype == want.dtype and grad.shape == want.shape
         assert_close(grad, want, grad.dtype)
+
+
+def test_orpo_keeps_its_pair_aligned_op_at_small_sizes(device, route, onca_ops):
+    fused_linear_orpo(*_head_inputs(device)).backward()
+    assert onca_ops == ["paired_loss_forward"]
+    onca_ops.clear()
+    fused_linear_dpo(*_ref_inputs(device)).backward()  # another paired loss takes torch's route
+    assert onca_ops == []
 
 
 def test_a_small_heads_top1_flags_are_the_kernels(device, route):

@@ -40,7 +40,7 @@ from onca.ops._matmul import accumulate_dw
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 
-__all__ = ["PAIR_LOSSES", "pair_chunks", "paired_loss", "register_pair_loss", "stack_extras", "use_paired_chunks"]
+__all__ = ["ALIGNED_WHEN_SMALL", "PAIR_LOSSES", "pair_chunks", "paired_loss", "register_pair_loss", "stack_extras", "use_paired_chunks"]
 
 # name -> fn(chosen_sums, rejected_sums, counts, extras, loss_type, params, grads) returning
 # (per-pair losses, their derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair
@@ -58,9 +58,18 @@ PAIR_LOSSES: dict = {}
 MAX_PAIR_SCRATCH_BYTES = 2 << 30
 
 
-def register_pair_loss(name: str, fn) -> None:
-    """Make ``fn`` the per-pair loss :func:`paired_loss` computes for ``loss=name``."""
+# The pair losses whose small calls keep the pair-aligned op rather than torch's route.
+ALIGNED_WHEN_SMALL: set = set()
+
+
+def register_pair_loss(name: str, fn, *, aligned_when_small: bool = False) -> None:
+    """Make ``fn`` the per-pair loss :func:`paired_loss` computes for ``loss=name``. A small call
+    (:mod:`onca.ops._small_calls`) of a paired loss takes torch's route through the two-pass entry,
+    autograd recording its per-pair formula; ``aligned_when_small`` keeps the pair-aligned op
+    instead, for a formula of so many small ops that recording them costs more host time than the
+    op's launches (each choice measured)."""
     PAIR_LOSSES[name] = fn
+    (ALIGNED_WHEN_SMALL.add if aligned_when_small else ALIGNED_WHEN_SMALL.discard)(name)
 
 
 def pair_chunks(pairs: int, seq: int, vocab: int, dtype: torch.dtype, *, chunk_pairs: int | None = None) -> int | None:

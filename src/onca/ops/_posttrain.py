@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, small_head, validate_head
-from onca.ops._paired_head import PAIR_LOSSES, paired_loss, use_paired_chunks
+from onca.ops._paired_head import ALIGNED_WHEN_SMALL, PAIR_LOSSES, paired_loss, use_paired_chunks
 from onca.ops._validate import check_accum_dtype, check_bool, check_float, check_number, check_tensor
 
 __all__ = [
@@ -125,9 +125,10 @@ def policy_pair_logps(hidden, weight, labels, bias, extras, *, loss, loss_type, 
     gradient in the forward pass, the sequences' detached sums returned); else on the chunk driver,
     autograd through the per-pair losses (per-token log-probabilities returned)."""
     params = [float(p) for p in params]
-    # A small call takes the chunk driver's entry, whose torch route (small_head) it then takes.
+    # A small call takes the chunk driver's entry, whose torch route (small_head) it then takes,
+    # unless the loss keeps its pair-aligned op at every size.
     paired = use_paired_chunks(hidden, weight, bias, chunk_tokens)
-    if paired and not small_head(hidden, weight, labels, count=False):
+    if paired and (loss in ALIGNED_WHEN_SMALL or not small_head(hidden, weight, labels, count=False)):
         value, sums = paired_loss(hidden, weight, bias, labels, extras, loss=loss, loss_type=loss_type,
                                   params=params, nll_weight=nll_weight, ignore_index=ignore_index,
                                   accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))

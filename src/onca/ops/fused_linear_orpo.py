@@ -68,7 +68,9 @@ def _pair_loss(sums_c, sums_r, counts, extras, loss_type, params, grads):
     return -beta * ratio, -beta * d_c / n_c, -beta * d_r / n_r
 
 
-register_pair_loss("orpo", _pair_loss)
+# Its NaN-safe odds formula is some 40 small ops each way under autograd: at 16 tokens torch's route
+# took 2.00 ms against the pair-aligned op's 1.78 (H100) and 2.38 against 1.73-2.02 (H200).
+register_pair_loss("orpo", _pair_loss, aligned_when_small=True)
 
 
 def fused_linear_orpo(
