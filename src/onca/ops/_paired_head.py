@@ -40,7 +40,8 @@ from onca.ops._matmul import accumulate_dw
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 
-__all__ = ["ALIGNED_WHEN_SMALL", "PAIR_LOSSES", "pair_chunks", "paired_loss", "register_pair_loss", "stack_extras", "use_paired_chunks"]
+__all__ = ["ALIGNED_WHEN_SMALL", "PAIR_LOSSES", "pair_chunks", "paired_loss", "register_pair_loss", "stack_extras",
+           "use_paired_chunks"]
 
 # name -> fn(chosen_sums, rejected_sums, counts, extras, loss_type, params, grads) returning
 # (per-pair losses, their derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair
