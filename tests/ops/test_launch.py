@@ -264,3 +264,58 @@ def test_every_launched_kernel_takes_the_fast_path():
                     unwrapped.append(f"{info.name}.{name}")
     assert unwrapped == []
     assert isinstance(onca.ops.layer_norm._layer_norm_forward_kernel, FastLaunch)
+
+
+@pytest.mark.parametrize("profile_name, cols, capped", [
+    ("h100", 16384, True),   # a one-pass 16-warp tile: two programs' registers each
+    ("h200", 16384, True),
+    ("h100", 4096, False),   # fewer warps: capping measured slower
+    ("h100", 32768, False),  # a two-pass tile
+    ("ascend910b4", 16384, False),  # not a GPU
+])
+def test_wide_row_norm_forwards_keep_two_programs_per_sm(monkeypatch, profile_name, cols, capped):
+    from onca import device
+    from onca.ops.layer_norm import FORWARD_TILES, _layer_norm_forward_kernel
+
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", profile_name)
+    device.reset()
+    try:
+        for cap in (True, False):
+            _, kwargs, plan = _launch.row_launch(_layer_norm_forward_kernel, 4096, cols, torch.bfloat16,
+                                                 FORWARD_TILES, {}, two_programs_per_unit=cap)
+            want = cap and capped
+            assert ("maxnreg" in kwargs) == want, (cap, kwargs)
+            if want:
+                assert kwargs["maxnreg"] * 2 * 32 * kwargs["num_warps"] == 65536 and plan.col_tiles == 1
+    finally:
+        monkeypatch.delenv("ONCA_DEVICE_PROFILE")
+        device.reset()
+
+
+def test_layer_norms_16_bit_forward_asks_for_the_cap_and_agrees(monkeypatch, device):
+    # The interpreter takes the GPU profile's capped launch too (maxnreg is a compile option only).
+    from onca import device as onca_device
+    from onca.ops import _row_norm
+    from onca.ops.layer_norm import layer_norm
+
+    asked = []
+
+    def spy(*args, two_programs_per_unit=False, **kwargs):
+        asked.append(two_programs_per_unit)
+        return _launch.row_launch(*args, two_programs_per_unit=two_programs_per_unit, **kwargs)
+
+    monkeypatch.setattr(_row_norm, "row_launch", spy)
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
+    onca_device.reset()
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(2, 16384, dtype=dtype, device=device)
+            w = torch.rand(16384, dtype=dtype, device=device) + 0.5
+            b = torch.randn(16384, dtype=dtype, device=device)
+            y = layer_norm(x, w, b, 1e-5)
+            ref = torch.nn.functional.layer_norm(x.float(), (16384,), w.float(), b.float(), 1e-5)
+            torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=3e-2)
+        assert asked == [True, False]
+    finally:
+        monkeypatch.delenv("ONCA_DEVICE_PROFILE")
+        onca_device.reset()

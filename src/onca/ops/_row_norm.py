@@ -50,9 +50,12 @@ def plans(shape, dtype: torch.dtype, forward_tiles: dict, backward_tiles: dict,
     }
 
 
-def launch_forward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, **constexprs) -> None:
-    """Launch a row-norm forward ``kernel(*args)`` over ``rows x cols`` of ``dtype``."""
-    grid, kwargs, _ = row_launch(kernel, rows, cols, dtype, tiles, constexprs)
+def launch_forward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, *,
+                   two_programs_per_unit: bool = False, **constexprs) -> None:
+    """Launch a row-norm forward ``kernel(*args)`` over ``rows x cols`` of ``dtype``
+    (``two_programs_per_unit``: see :func:`onca.ops._launch.row_launch`)."""
+    grid, kwargs, _ = row_launch(kernel, rows, cols, dtype, tiles, constexprs,
+                                 two_programs_per_unit=two_programs_per_unit)
     kernel[grid](*args, **kwargs)
 
 

@@ -294,6 +294,9 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd,
          rows, cols, x_stride, cols, eps),
         rows, cols, x.dtype, FORWARD_TILES,
+        # Measured on an H200 (bf16, 16384 rows): 0.28 against 0.43 ms at 16384 columns, 0.24 against
+        # 0.39 at 12288, even at 8192; fp32 rows 2% slower capped, RMSNorm's forward up to 25%.
+        two_programs_per_unit=x.element_size() == 2,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
     )
     return y, mean, rstd
