@@ -175,30 +175,37 @@ def _cases():
 CASES = _cases()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_small_call_is_torchs_and_agrees_with_the_kernels(name, device, route, onca_ops):
-    make, call = CASES[name]
+def _assert_routes_agree(name, case, device, onca_ops, routed_calls=1):
+    """The call of ``case`` takes torch's route (no Onca op; ``routed_calls`` counted, or at least
+    one where None) without a host synchronisation, and gives what Onca's ops give with the route
+    off: values, dtypes, shapes and every gradient."""
+    make, call = case
     inputs = make(device)
     taken = small_calls.taken
     with _no_host_sync(device):
         out, grads = _run(call, inputs)
     assert onca_ops == [], f"{name}: the small call ran Onca ops {onca_ops}"
-    assert small_calls.taken == taken + 1
+    assert small_calls.taken - taken == routed_calls if routed_calls else small_calls.taken > taken
 
     small_calls.set_limit(0)
     expected, expected_grads = _run(call, inputs)
     assert onca_ops, f"{name}: with the route off no Onca op ran"
     assert out.dtype == expected.dtype and out.shape == expected.shape
     assert_close(out, expected, out.dtype)
-    assert len(grads) == len(expected_grads)
+    assert len(grads) == len(expected_grads) > 0
     for grad, want in zip(grads, expected_grads):
         assert grad.dtype == want.dtype and grad.shape == want.shape
         assert_close(grad, want, grad.dtype)
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_small_call_is_torchs_and_agrees_with_the_kernels(name, device, route, onca_ops):
+    _assert_routes_agree(name, CASES[name], device, onca_ops)
+
+
 # The heads of the post-training losses (onca.ops._chunked_head.torch_logprobs): name -> (inputs,
 # call). Sequences (2B, T) of a small head; a whole sequence ignored in one of them (the token
-# counts, the lengths' clamps and ORPO's empty-pair mask on both routes).
+# counts and the lengths' clamps on both routes).
 def _head_inputs(d, dtype=F32, sequences=4, seq=6, hidden=16, vocab=24):
     labels = _labels((sequences, seq), vocab, d)
     labels[-1] = -100
@@ -259,23 +266,8 @@ HEAD_CASES = {
 
 @pytest.mark.parametrize("name", sorted(HEAD_CASES))
 def test_a_small_head_is_torchs_and_agrees_with_the_chunk_driver(name, device, route, onca_ops):
-    make, call = HEAD_CASES[name]
-    inputs = make(device)
-    taken = small_calls.taken
-    with _no_host_sync(device):
-        out, grads = _run(call, inputs)
-    assert onca_ops == [], f"{name}: the small call ran Onca ops {onca_ops}"
-    assert small_calls.taken > taken  # the policy's head, and the reference model's where there is one
-
-    small_calls.set_limit(0)
-    expected, expected_grads = _run(call, inputs)
-    assert onca_ops, f"{name}: with the route off no Onca op ran"
-    assert out.dtype == expected.dtype and out.shape == expected.shape
-    assert_close(out, expected, out.dtype)
-    assert len(grads) == len(expected_grads) > 0
-    for grad, want in zip(grads, expected_grads):
-        assert grad.dtype == want.dtype and grad.shape == want.shape
-        assert_close(grad, want, grad.dtype)
+    # Counted once per head: the policy's, and the reference model's where there is one.
+    _assert_routes_agree(name, HEAD_CASES[name], device, onca_ops, routed_calls=None)
 
 
 def test_orpo_keeps_its_pair_aligned_op_at_small_sizes(device, route, onca_ops):
