@@ -102,12 +102,12 @@ __all__ = [
     "head_inputs",
     "head_logits",
     "head_scales",
-    "small_head",
-    "torch_logprobs",
     "launch_grad",
     "launch_stats",
     "logprob_grads",
     "plan",
+    "small_head",
+    "torch_logprobs",
     "validate_head",
 ]
 
