@@ -130,3 +130,41 @@ def test_op_contract(device):
     w, b = (t.requires_grad_() for t in params(8, "weight+bias", torch.bfloat16, device))
     assert_op_contract(lambda x, w, b: group_norm(x, 4, w, b), (x, w, b),
                        expect_ops={"group_norm_forward", "group_norm_backward"})
+
+
+@pytest.mark.parametrize("profile_name", ["h100", "ascend910b4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_groups_split_into_slices(device, monkeypatch, profile_name, dtype):
+    """Fewer groups than half the programs: the backward takes each group in slices of channel
+    blocks (two launches), with a large mean; the reference's values and gradients."""
+    from onca import device as onca_device
+
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", profile_name)
+    onca_device.reset()
+    shape, groups = ((2, 24, 40), 2) if SCALE == "cpu" else ((1, 5376, 1024), 16)
+    n_groups, ch_per_group, n_pos = op._dims(shape, groups)
+    p = op._plan(n_groups, ch_per_group, n_pos, dtype, op.BACKWARD_TILES)
+    assert op._slices(p, n_groups, ch_per_group)[0] > 1
+    x = randn(*shape, dtype=dtype, device=device) + 30.0
+    check(x, groups, *params(shape[1], "weight+bias", dtype, device))
+    onca_device.reset()
+
+
+def test_slices_follow_the_grid():
+    """Split where at least half the programs would be idle, in whole channel blocks, never more
+    slices than blocks or MAX_SLICES; a group in one channel block stays whole."""
+    from onca.device import profile_named
+
+    h100 = profile_named("h100")
+
+    def slices(shape, groups):
+        n_groups, ch_per_group, n_pos = op._dims(shape, groups)
+        p = op._plan(n_groups, ch_per_group, n_pos, torch.bfloat16, op.BACKWARD_TILES, h100)
+        return op._slices(p, n_groups, ch_per_group), -(-ch_per_group // p.block_rows)
+
+    (count, per_slice), blocks = slices((4, 5376, 1024), 32)  # gemma-3-27b's width as channels
+    assert (count, per_slice) == (blocks, 1) and count > 1
+    assert slices((8, 512, 4096), 32)[0] == (1, slices((8, 512, 4096), 32)[1])  # 256 groups: whole
+    (count, per_slice), blocks = slices((1, 65536, 256), 1)  # one group of many blocks
+    assert count <= op.MAX_SLICES and count * per_slice >= blocks > (count - 1) * per_slice
+    assert slices((1, 1, 1 << 16), 1)[0] == (1, 1)  # one channel: nothing to split
