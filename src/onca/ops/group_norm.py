@@ -12,8 +12,8 @@ group shifted by its first element, so that a large mean does not cancel the var
 pass applies them. The backward, where there are too few groups to fill the device (at most half
 the plan's programs), splits each group into slices of whole channel blocks, one program per
 slice: a first launch stores every slice's sums, a second combines its group's (in slice order)
-and computes the slice's ``dx``. (The forward split so measured slower at most of those shapes,
-and stays whole.)
+and computes the slice's ``dx``. The forward, split the same way, measured slower at most of
+those shapes, and stays whole.
 
 Saved for backward: ``x``, ``weight``, ``bias`` (for its gradient's dtype only) and one fp32
 ``mean`` and ``rstd`` per group. With ``xhat = (x - mean) * rstd`` and ``g = weight[channel] * dy``,
@@ -151,7 +151,6 @@ def _group_norm_backward_kernel(
     SLICE_BLOCKS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    CH_BLOCKS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
     """Program loops over units ``(group, slice)``: a slice is ``SLICE_BLOCKS`` channel blocks of
@@ -272,11 +271,10 @@ def _slices(p: RowPlan, n_groups: int, ch_per_group: int) -> tuple[int, int]:
     return -(-ch_blocks // per_slice), per_slice
 
 
-def _launch_args(p: RowPlan, units: int, ch_per_group: int) -> tuple[tuple, dict]:
+def _launch_args(p: RowPlan, units: int) -> tuple[tuple, dict]:
     """``(grid, constexprs)`` of a launch over ``units`` groups (or slices of groups) planned by ``p``."""
     return (min(p.grid, units),), {"BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
-                                   "CH_BLOCKS": -(-ch_per_group // p.block_rows), "COL_TILES": p.col_tiles,
-                                   "num_warps": p.num_warps}
+                                   "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
 
 
 def _slice_sums_buffer(n_groups: int, slices: int, stand_in: Tensor) -> Tensor:
@@ -303,11 +301,12 @@ def group_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, nu
     if x.numel() == 0:
         return y, mean.zero_(), rstd.zero_()
     p = _plan(n_groups, ch_per_group, n_pos, x.dtype, FORWARD_TILES)
-    grid, constexprs = _launch_args(p, n_groups, ch_per_group)
+    grid, constexprs = _launch_args(p, n_groups)
     _group_norm_forward_kernel[grid](
         x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd,
         n_groups, num_groups, ch_per_group, n_pos, eps,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **constexprs,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CH_BLOCKS=-(-ch_per_group // p.block_rows),
+        **constexprs,
     )
     return y, mean, rstd
 
@@ -339,7 +338,7 @@ def group_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
     sums = fill_wanted(wanted, planes, rstd)
     p = _plan(n_groups, ch_per_group, n_pos, x.dtype, BACKWARD_TILES)
     slices, per_slice = _slices(p, n_groups, ch_per_group)
-    grid, constexprs = _launch_args(p, n_groups * slices, ch_per_group)
+    grid, constexprs = _launch_args(p, n_groups * slices)
     constexprs.update(SLICES_P2=next_power_of_2(slices), SLICE_BLOCKS=per_slice)
     part = _slice_sums_buffer(n_groups, slices, rstd)
     for phase in _phases(slices):
