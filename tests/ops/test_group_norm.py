@@ -133,8 +133,9 @@ def test_op_contract(device):
 
 
 @pytest.mark.parametrize("profile_name", ["h100", "ascend910b4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_groups_split_into_slices(device, monkeypatch, profile_name, dtype):
+@pytest.mark.parametrize("dtype, affine", [(torch.float32, "weight+bias"), (torch.bfloat16, "weight+bias"),
+                                           (torch.float32, "weight"), (torch.bfloat16, "none")], ids=str)
+def test_groups_split_into_slices(device, monkeypatch, profile_name, dtype, affine):
     """Fewer groups than half the programs: the backward takes each group in slices of channel
     blocks (two launches), with a large mean; the reference's values and gradients."""
     from onca import device as onca_device
@@ -146,7 +147,7 @@ def test_groups_split_into_slices(device, monkeypatch, profile_name, dtype):
     p = op._plan(n_groups, ch_per_group, n_pos, dtype, op.BACKWARD_TILES)
     assert op._slices(p, n_groups, ch_per_group)[0] > 1
     x = randn(*shape, dtype=dtype, device=device) + 30.0
-    check(x, groups, *params(shape[1], "weight+bias", dtype, device))
+    check(x, groups, *params(shape[1], affine, dtype, device))
     onca_device.reset()
 
 
