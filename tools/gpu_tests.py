@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 # Sized from the H200 runs: the RMSNorm files alone take 195 s at GPU scale on a fresh machine
 # (Triton compiles every variant), and five shards run side by side with memcheck did not finish
@@ -117,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     for shard in shards:
         cmd, env = command(shard, args.memcheck, pytest_args)
         print(f"== shard {shard}: {' '.join(cmd)}", flush=True)
+        start = time.perf_counter()
         code = subprocess.call(cmd, env=env)
+        # The shard's time, so that a shard that outgrows one device call shows it.
+        print(f"== shard {shard}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
         status = status or code
     return status
 
