@@ -142,6 +142,8 @@ def test_groups_split_into_slices(device, monkeypatch, profile_name, dtype, affi
 
     monkeypatch.setenv("ONCA_DEVICE_PROFILE", profile_name)
     onca_device.reset()
+    if SCALE == "cpu":  # groups of 480 elements: split as a large group would be
+        monkeypatch.setattr(op, "MIN_SPLIT_ELEMENTS", 1)
     shape, groups = ((2, 24, 40), 2) if SCALE == "cpu" else ((1, 5376, 1024), 16)
     n_groups, ch_per_group, n_pos = op._dims(shape, groups)
     p = op._plan(n_groups, ch_per_group, n_pos, dtype, op.BACKWARD_TILES)
@@ -169,3 +171,8 @@ def test_slices_follow_the_grid():
     (count, per_slice), blocks = slices((1, 65536, 256), 1)  # one group of many blocks
     assert count <= op.MAX_SLICES and count * per_slice >= blocks > (count - 1) * per_slice
     assert slices((1, 1, 1 << 16), 1)[0] == (1, 1)  # one channel: nothing to split
+    # Groups too small to gain (the overhead sweep's): whole, one launch fewer on the host.
+    n_groups, ch_per_group, n_pos = op._dims((2, 64, 256), 32)
+    p = op._plan(n_groups, ch_per_group, n_pos, torch.bfloat16, op.BACKWARD_TILES, h100)
+    assert ch_per_group * n_pos < op.MIN_SPLIT_ELEMENTS and op._slices(p, n_groups, ch_per_group)[0] == 1
+    assert slices((4, 2048, 1024), 32)[0][0] > 1  # 64 channels x 1024 positions: the smallest gain measured

@@ -252,20 +252,25 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None, *,
 
 # At most this many slices per group (a power of two: the slices' sums are one tile).
 MAX_SLICES = 64
+# A group of fewer elements stays whole: splitting it saves less device time than its second launch
+# costs on the host (the smallest group measured to gain, 64 channels x 1024 positions, saved 3 us;
+# the overhead sweep's 2 x 256 positions split only added a launch).
+MIN_SPLIT_ELEMENTS = 1 << 16
 
 
 def _slices(p: RowPlan, n_groups: int, ch_per_group: int) -> tuple[int, int]:
     """``(slices per group, channel blocks per slice)`` of the backward. A group of several channel
     blocks is split into slices of whole blocks, as many as it has (up to ``MAX_SLICES``), where the
     groups would leave at least half the plan's programs idle: one program per group walked its
-    group alone (128 groups of 4 x 168 x 1024 on a 264-program grid). Split, the group's sums take a
-    second launch. Measured on an H200 (bf16, batch 4, 1024 positions, 32 groups, CUDA graphs), the
-    backward (forward + backward less forward) split against whole: 5376 channels 0.068 against
+    group alone (128 groups of 4 x 168 x 1024 on a 264-program grid), and the group holds at least
+    ``MIN_SPLIT_ELEMENTS``. Split, the group's sums take a second launch. Measured on an H200
+    (bf16, batch 4, 1024 positions, 32 groups, CUDA graphs), the backward (forward + backward less
+    forward) split against whole: 5376 channels 0.068 against
     0.075 ms, 8192 0.098 against 0.111, 4096 0.055 against 0.060, 2048 0.027 against 0.030; the
     forward split was slower at 2048-8192 channels (4096: 0.051 against 0.045 ms), faster at 5376
     only, and stays whole."""
     ch_blocks = -(-ch_per_group // p.block_rows)
-    if ch_blocks == 1 or 2 * n_groups > p.grid:
+    if ch_blocks == 1 or 2 * n_groups > p.grid or ch_per_group * p.cols < MIN_SPLIT_ELEMENTS:
         return 1, ch_blocks
     per_slice = -(-ch_blocks // min(ch_blocks, MAX_SLICES))
     return -(-ch_blocks // per_slice), per_slice
