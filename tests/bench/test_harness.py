@@ -1,5 +1,5 @@
 """The benchmark harness's logic, on the CPU: schema, percentiles, memory estimates and skipping,
-OOM handling, CSV append, charts, the model registry and every op's declaration."""
+OOM handling, CSV append, charts and the model registry (every op's declaration: test_declarations.py)."""
 
 from __future__ import annotations
 
@@ -317,29 +317,14 @@ def test_sweep_helpers():
         Sweep("d3", "x", "x", ())
 
 
-@pytest.mark.parametrize("op", harness.list_ops())
-def test_every_op_benchmark_declaration(op, device):
-    """Each op declares D1 and D2 sweeps, positive estimates, and runs the first point of its first D1
-    sweep here (on the CPU, at the harness's smoke-test size)."""
-    bench = harness.load(op)
-    assert bench.name == op
-    assert bench.sweep("d1") and bench.sweep("d2")
-    for provider in bench.providers:  # the harness's own and the op's peers
-        for mode in bench.modes:
-            assert bench.memory_estimate(bench.probe, torch.bfloat16, provider, mode) > 0
-    settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca", "torch"), peers=False,
-                                modes=("forward", "full"), cpu_reps=1, max_points=1)
-    new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
-    statuses = {p.status for r in new if r.metric_name == "speed" for p in r.points}
-    assert statuses == {"ok"}, [(r.kernel_provider, p.note) for r in new for p in r.points if p.status != "ok"]
-
-
 def test_each_point_reaches_on_point_as_it_is_measured(device):
     """``on_point`` gets every (point, provider)'s records once, as measured: together they are the
     run's records (what ``onca bench`` appends to its CSV while it runs)."""
     bench = harness.load("rms_norm")
+    # Short timings (a GPU's default times each call for 100 ms, 40 ops' first points): what is
+    # tested is that the point runs and is recorded, not its time.
     settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca", "torch"), peers=False,
-                                modes=("forward", "full"), cpu_reps=1, max_points=1)
+                                modes=("forward", "full"), cpu_reps=1, max_points=1, warmup_ms=1, rep_ms=5)
     seen = []
     new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1], on_point=seen.append)
     assert len(seen) == 2 and all(len(done) == 4 for done in seen)  # 2 providers; 2 metrics x 2 modes
