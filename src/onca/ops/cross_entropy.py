@@ -93,11 +93,16 @@ REDUCTIONS = ("none", "mean", "sum")
 # (fp32). Counting fewer lets the GPU plan put 32 elements per thread, which spills
 # (tools/sm90_compile.py shows it). A row too wide for one tile is read twice (the log-sum-exp,
 # then the gradient): on a GPU its tile takes the whole budget (16384 columns in 32 warps, one
-# program per SM) so that the rows in flight stay in the L2 cache for the second read, which walks
-# back from the row's last tile. Measured on an H100 (bf16, forward + backward, the gradient over
-# the logits), against 8192-column tiles in 16 warps read forward twice: 4.64 -> 4.43 ms at 16384
-# x 128256, 2.37 -> 2.27 at 8192 x 128256, 2.74 -> 2.34 with class weights, 2.93 -> 2.60 with the
-# token metrics, 4.73 -> 4.80 at 8192 x 262144 (the one point that lost, by 2%).
+# program per SM) so that the rows in flight stay in the L2 cache for the second read. Measured on
+# an H100 (bf16, forward + backward, the gradient over the logits), against 8192-column tiles in 16
+# warps: 4.64 -> 4.43 ms at 16384 x 128256, 2.37 -> 2.27 at 8192 x 128256, 2.74 -> 2.34 with class
+# weights, 2.93 -> 2.60 with the token metrics, 4.73 -> 4.80 at 8192 x 262144 (2% slower). The
+# second read and the gradient's stores are hinted evict-first (their lines are not used again),
+# the row walked forward: against no hints and a walk back from the row's last tile (which hit the
+# cache then), on an H200: 8192 x 128256 1.943 -> 1.878 ms, 32768 x 128256 7.64 -> 7.43, 16384 x
+# 151936 4.75 -> 4.63, 8192 x 262144 4.01 -> 3.95. Also measured there and not taken: a hint to
+# keep the first read (no better), only the stores hinted (1.920), 32768-column tiles (2.41), 16
+# warps (2.70).
 TILES = dict(live_tiles=2, fp32_tiles=4, gpu_whole_two_pass=True)
 # With class weights and label smoothing the gradient pass also holds a tile of weights and the
 # weighted smoothing term (fp32); counting fewer than 7 spills the fp32 logits' forward-with-gradient
@@ -125,9 +130,10 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _load_logits(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
-    """A tile of logits in fp32, soft-capped, ``-inf`` where masked (out of the row, ignored rows)."""
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+def _load_logits(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr):
+    """A tile of logits in fp32, soft-capped, ``-inf`` where masked (out of the row, ignored rows).
+    ``EVICTION``: the cache hint of the load ("" none; "evict_first" for a tile's last read)."""
+    x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
     return tl.where(mask, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
 
 
@@ -248,7 +254,7 @@ def _cross_entropy_kernel(
                 # The whole row is one tile: this load also serves the gradient below.
                 col_mask = col_offsets < n_cols
                 mask = valid[:, None] & col_mask[None, :]
-                x = _load_logits(x_rows + col_offsets[None, :], mask, softcap, HAS_SOFTCAP)
+                x = _load_logits(x_rows + col_offsets[None, :], mask, softcap, HAS_SOFTCAP, "")
                 m = tl.where(valid, tl.max(x, axis=1), 0.0)
                 e = tl.exp(x - m[:, None])
                 d = tl.where(valid, tl.sum(e, axis=1), 1.0)
@@ -267,7 +273,7 @@ def _cross_entropy_kernel(
                     cols = tile * BLOCK_COLS + col_offsets
                     col_mask = cols < n_cols
                     mask = valid[:, None] & col_mask[None, :]
-                    xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP)
+                    xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP, "")
                     tile_max = tl.max(xt, axis=1)
                     if WRITE_PRED:
                         # Strictly greater: an equal maximum in a later tile keeps the first index.
@@ -337,7 +343,7 @@ def _cross_entropy_kernel(
                     p = e * (1.0 / d)[:, None]  # the exponentials are still here: no second exp
                 else:
                     mask = valid[:, None] & col_mask[None, :]
-                    x = _load_logits(x_rows + col_offsets[None, :], mask, softcap, HAS_SOFTCAP)
+                    x = _load_logits(x_rows + col_offsets[None, :], mask, softcap, HAS_SOFTCAP, "")
                     p = tl.exp(x - lse[:, None])
                 w = _class_weights(weight_ptr, col_offsets, col_mask, WEIGHTED_OFF)
                 g = _gradient(p, x, col_offsets, y, p_coef, off, y_coef, w, softcap, HAS_SOFTCAP,
@@ -345,19 +351,19 @@ def _cross_entropy_kernel(
                 tl.store(g_rows + col_offsets[None, :], g.to(grad_ptr.dtype.element_ty),
                          mask=row_mask[:, None] & col_mask[None, :])
             else:
-                for step in range(COL_TILES):
-                    # After the log-sum-exp pass the row's last tiles are the ones still in the
-                    # cache: walk back from them, so that this second read of the row hits it.
-                    tile = COL_TILES - 1 - step if COMPUTE_LSE else step
+                for tile in range(COL_TILES):
+                    # The row's last read and its gradient, never read here again: both hinted to
+                    # leave the L2 cache first, which keeps the rows still in their log-sum-exp
+                    # pass (to be read a second time) in it (see TILES).
                     cols = tile * BLOCK_COLS + col_offsets
                     col_mask = cols < n_cols
                     mask = valid[:, None] & col_mask[None, :]
-                    xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP)
+                    xt = _load_logits(x_rows + cols[None, :], mask, softcap, HAS_SOFTCAP, "evict_first")
                     w = _class_weights(weight_ptr, cols, col_mask, WEIGHTED_OFF)
                     g = _gradient(tl.exp(xt - lse[:, None]), xt, cols, y, p_coef, off, y_coef, w, softcap,
                                   HAS_SOFTCAP, WEIGHTED_OFF)
                     tl.store(g_rows + cols[None, :], g.to(grad_ptr.dtype.element_ty),
-                             mask=row_mask[:, None] & col_mask[None, :])
+                             mask=row_mask[:, None] & col_mask[None, :], eviction_policy="evict_first")
 
 
 @fast_launch
