@@ -15,12 +15,9 @@ os.environ["ONCA_SMALL_CALL_LIMIT"] = "0"
 
 import onca  # noqa: E402  (switches the interpreter on when there is no accelerator)
 from onca import device as onca_device  # noqa: E402
-from tests.helpers import SCALE, round_bf16_as_on_gpu  # noqa: E402
+from tests.helpers import SCALE  # noqa: E402
 
 onca.set_small_call_limit(0)  # in case a plugin imported onca before the variable was set
-
-if onca_device.interpreter_active():
-    round_bf16_as_on_gpu()
 
 # Profiles every op is tested under: the one detected here, and an Ascend NPU's.
 PROFILES = ("default", "ascend910b4")

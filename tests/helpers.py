@@ -101,34 +101,6 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
     return out.requires_grad_(True)
 
 
-def round_bf16_as_on_gpu() -> None:
-    """Make Triton's interpreter round fp32 -> bf16 to nearest even, as the GPU does (installed for
-    every test by ``tests/conftest.py``; nothing changes on a GPU).
-
-    The interpreter truncates: about half of a bf16 kernel's outputs land a whole ulp towards zero
-    of the GPU's, with twice its error. Tests would then judge the interpreter rather than Onca's
-    arithmetic (a comparison with torch's own rounding fails), and a tiny patched MoE model in bf16
-    routes tokens differently from the original on the CPU only."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.cast_impl, "onca_nearest", False):
-        return
-    truncating = builder.cast_impl
-
-    def cast(self, src, dst_type):
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return truncating(self, src, dst_type)
-        nearest = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16)
-        # the interpreter holds bf16 as uint16 bit patterns
-        return interpreter.TensorHandle(nearest.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
-
-    cast.onca_nearest = True
-    builder.cast_impl = cast
-
-
 def zero_fills_during(fn, min_bytes: int) -> list[tuple[str, int]]:
     """``(op, bytes)`` of every ``aten::zeros``/``zeros_like``/``new_zeros`` of at least
     ``min_bytes`` that ``fn()`` allocates (the profiler's memory events, CPU or GPU)."""

@@ -145,6 +145,7 @@ def ensure_interpreter() -> bool:
         os.environ["TRITON_INTERPRET"] = "1"
     if interpreter_active():
         _scalar_index_in_interpreter()
+        _nearest_bf16_in_interpreter()
     return interpreter_active()
 
 
@@ -168,6 +169,36 @@ def _scalar_index_in_interpreter() -> None:
 
     patch_with_scalar_index.onca_scalar_index = True
     interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+def _nearest_bf16_in_interpreter() -> None:
+    """Make the interpreter round fp32 -> bf16 to nearest even, as the GPU does (``cvt.rn.bf16.f32``,
+    torch's cast); nothing changes on a GPU.
+
+    The stock interpreter truncates: about half of a bf16 kernel's outputs land a whole ulp towards
+    zero of the GPU's, with twice the error and a bias: cross entropy's bf16 gradient came out
+    0.28% small on average (the mean of a truncated mantissa's loss), and a patched Qwen3's weight
+    gradients twice as far from an fp32 run's as Hugging Face's bf16 ones. A run on the CPU would
+    then judge the interpreter rather than Onca's arithmetic.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "onca_nearest", False):
+        return
+    truncating = builder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return truncating(self, src, dst_type)
+        nearest = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16)
+        # the interpreter holds bf16 as uint16 bit patterns
+        return interpreter.TensorHandle(nearest.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+
+    cast.onca_nearest = True
+    builder.cast_impl = cast
 
 
 def interpreter_active() -> bool:

@@ -231,7 +231,7 @@ def test_geglu_bf16_gradients_at_least_as_close_as_hugging_face(profile, device)
     a float64 GemmaMLP holding the same bf16 weights and fed the same bf16 input and incoming
     gradient, every Onca gradient is at least as close as Hugging Face's (relative norm error,
     within 5%), and the gate's is closer. (Under the interpreter this relies on its casts rounding as
-    the GPU's do: ``tests.helpers.round_bf16_as_on_gpu``.)
+    the GPU's do: ``onca.device._nearest_bf16_in_interpreter``.)
     """
     tokens, hidden, intermediate = PRECISION_SHAPE
     config = transformers.GemmaConfig(hidden_size=hidden, intermediate_size=intermediate,
