@@ -321,8 +321,7 @@ def test_each_point_reaches_on_point_as_it_is_measured(device):
     """``on_point`` gets every (point, provider)'s records once, as measured: together they are the
     run's records (what ``onca bench`` appends to its CSV while it runs)."""
     bench = harness.load("rms_norm")
-    # Short timings (a GPU's default times each call for 100 ms, 40 ops' first points): what is
-    # tested is that the point runs and is recorded, not its time.
+    # Short timings (a GPU's default times each call for 100 ms): what is tested is the records.
     settings = harness.Settings(device=device, dtype=torch.float32, providers=("onca", "torch"), peers=False,
                                 modes=("forward", "full"), cpu_reps=1, max_points=1, warmup_ms=1, rep_ms=5)
     seen = []
