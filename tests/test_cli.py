@@ -297,6 +297,11 @@ def test_cuda_audit_compiles_kernels_to_cubins_without_a_gpu():
     summary = done.stdout.strip().splitlines()[-1]
     assert "compiled to a cubin (0 failures" in summary and "profiles h100" in summary
     assert "ok   relu_squared." in done.stdout and "[h100; models:" in done.stdout
+    # Each cubin's registers and spilled stack, and the count of spilling compilations.
+    resources = re.findall(r"; regs (\d+), stack (\d+)$", done.stdout, re.MULTILINE)
+    assert resources and all(0 < int(regs) <= 255 for regs, _ in resources), done.stdout[-2000:]
+    spilling = sum(int(stack) > 0 for _, stack in resources)
+    assert f"0 failures, {spilling} spilling registers to the stack" in summary
 
 
 def test_audit_covers_every_cuda_profile_architecture():
@@ -333,13 +338,13 @@ def test_audit_retries_an_adapter_crash_once_and_reports_it(monkeypatch):
 
     monkeypatch.setattr(audit, "compile_to_linalg", compile_to_linalg)
     outcomes[:] = [crash, None]  # crashed, then compiled: flaky, not failed
-    error, first = audit._check(launch)
+    error, first, _ = audit._check(launch)
     assert error is None and "Assertion" in first
     outcomes[:] = [crash, crash]  # crashed twice: a failure
-    error, first = audit._check(launch)
+    error, first, _ = audit._check(launch)
     assert "Assertion" in error and first is None
     outcomes[:] = [_adapter_failure("error: failed to legalize operation", 1)]  # a real error: no retry
-    error, first = audit._check(launch)
+    error, first, _ = audit._check(launch)
     assert "legalize" in error and not outcomes
     launch.max_grid = audit.MAX_GRID + 1
     assert "exceeds" in audit._check(launch)[0]

@@ -15,18 +15,15 @@ Triton's wheel (no CUDA driver).
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
-import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from onca.audit import CudaSpecializer, compile_for_cuda  # noqa: E402
+from onca.audit import CudaSpecializer, compile_for_cuda, cubin_resources  # noqa: E402
 
 _RESULTS: dict[tuple, tuple[str, str]] = {}
 _TARGET = GPUTarget("cuda", 90, 32)
@@ -34,14 +31,9 @@ _SPECIALIZE = CudaSpecializer(make_backend(_TARGET))
 
 
 def _resources(cubin: bytes) -> str:
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    line = next((ln for ln in out.splitlines() if "REG:" in ln), "")
-    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
-    return f"regs {fields.get('REG', '?'):>3}  stack {fields.get('STACK', '?'):>4}  local {fields.get('LOCAL', '?')}"
+    found = cubin_resources(cubin)
+    registers, stack = found if found is not None else ("?", "?")
+    return f"regs {registers:>3}  stack {stack:>4}"
 
 
 def _pipelining(ttgir: str) -> str:

@@ -27,6 +27,7 @@ import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,8 @@ from onca import device
 from onca.bench import harness
 from onca.bench.spec import build
 
-__all__ = ["ASCEND_TARGETS", "CUDA_TARGETS", "Launch", "collect", "compile_to_linalg", "compile_for_cuda", "main"]
+__all__ = ["ASCEND_TARGETS", "CUDA_TARGETS", "Launch", "collect", "compile_to_linalg", "compile_for_cuda",
+           "cubin_resources", "main"]
 
 # Each Onca profile, as the chip name triton-ascend targets. The 950 family is "Ascend910_95xx"
 # there and is compiled with ``compile_on_910_95``; the 910B parts share one code path.
@@ -248,6 +250,27 @@ def compile_for_cuda(launch: Launch) -> object:
     return triton.compile(source, target=target, options=launch.cuda_options.__dict__)
 
 
+def cubin_resources(cubin: bytes) -> tuple[int, int] | None:
+    """``(registers per thread, stack bytes per thread)`` of a cubin, by the ``cuobjdump`` that ships
+    with Triton's NVIDIA backend (None without it). Stack bytes are registers spilled to local
+    memory: on sm_90, a kernel of 1024 threads has at most 64 registers each."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next((ln for ln in out.splitlines() if "REG:" in ln), "")
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    try:
+        return int(fields["REG"]), int(fields["STACK"])
+    except (KeyError, ValueError):
+        return None
+
+
 def _error_message(exc: Exception) -> str:
     """The compiler's own words: the adapter's stderr, else the exception, on one line."""
     if isinstance(exc, subprocess.CalledProcessError):
@@ -265,9 +288,10 @@ def _is_crash(exc: Exception) -> bool:
     return exc.returncode < 0 or "Assertion" in text
 
 
-def _check(launch: Launch) -> tuple[str | None, str | None]:
-    """``(error, crash)``: error is None when the launch compiles to Linalg and its grid can
-    launch, else why not; crash is the adapter's message when it crashed once and then compiled.
+def _check(launch: Launch) -> tuple[str | None, str | None, tuple[int, int] | None]:
+    """``(error, crash, resources)``: error is None when the launch compiles (to Linalg, its grid
+    able to launch; or to a cubin), else why not; crash is the adapter's message when it crashed
+    once and then compiled; resources are a cubin's :func:`cubin_resources` (None for Ascend).
 
     triton-adapter-opt crashes at random on inputs that compile on the next try (an MLIR assertion
     on a malformed type, or a signal; one or two of about 1460 compilations per run, a different
@@ -277,12 +301,12 @@ def _check(launch: Launch) -> tuple[str | None, str | None]:
     """
     if launch.cuda_options is not None:
         try:
-            compile_for_cuda(launch)
+            compiled = compile_for_cuda(launch)
         except Exception as exc:  # any compiler failure is the audit's finding
-            return _error_message(exc), None
-        return None, None
+            return _error_message(exc), None, None
+        return None, None, cubin_resources(compiled.asm["cubin"])
     if launch.max_grid > MAX_GRID:
-        return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}", None
+        return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}", None, None
     crash = None
     for _attempt in range(2):
         try:
@@ -291,9 +315,9 @@ def _check(launch: Launch) -> tuple[str | None, str | None]:
             if crash is None and _is_crash(exc):
                 crash = _error_message(exc)
                 continue
-            return _error_message(exc), None
-        return None, crash
-    return crash, None
+            return _error_message(exc), None, None
+        return None, crash, None
+    return crash, None, None
 
 
 def _line(status: str, launch: Launch) -> str:
@@ -310,22 +334,27 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout, *, cuda: bool = Fal
     launches, failures = collect(ops, profiles)
     for failure in failures:
         print(failure, file=out, flush=True)
-    passed = flaky = 0
+    passed = flaky = spilled = 0
     for launch in sorted(launches.values(), key=Launch.sort_key):
-        error, crash = _check(launch)
+        error, crash, resources = _check(launch)
         if error is not None:
             failures.append(launch.name)
             print(f"{_line('FAIL', launch)}: {error}", file=out, flush=True)
             continue
         passed += 1
-        if crash is None:
+        if resources is not None:
+            registers, stack = resources
+            spilled += stack > 0
+            print(f"{_line('ok', launch)}; regs {registers}, stack {stack}", file=out, flush=True)
+        elif crash is None:
             print(_line("ok", launch), file=out, flush=True)
         else:
             flaky += 1
             print(f"{_line('flaky', launch)}: compiled on the second try; first: {crash}", file=out, flush=True)
     kernels = len({la.kernel for la in launches.values()})
     if cuda:
-        reached = f"compiled to a cubin ({len(failures)} failures"
+        # A spill is not a failure: the plan was timed on the device; the count shows where to look.
+        reached = f"compiled to a cubin ({len(failures)} failures, {spilled} spilling registers to the stack"
         tail = "the kernels were not run"
     else:
         reached = f"reached Linalg ({len(failures)} failures, {flaky} compiled after an adapter crash"
