@@ -67,8 +67,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
         "tests/ops/test_neighborhood_attention.py", "tests/nn/test_neighborhood_attention.py",
         "tests/ops/test_fused_linear_scaled_cross_entropy.py", "tests/nn/test_fused_linear_scaled_cross_entropy.py",
     ),
-    # Shard 8's other files, split three ways on an H200 (2026-11-27): these two and the first 49
-    # of the harness's 75 tests took the whole 430 s of a device call.
+    # Shard 8's other files, split off on an H200 (2026-11-27): these two and the first 49 of the
+    # harness's 75 tests took the whole 430 s of a device call; alone these two took 35 s.
     "16": ("tests/integrations/test_cuda_graph.py", "tests/integrations/test_causal_mask.py"),  # graphs, SDPA
     # The benchmark harness, timing on the device; every op's first D1 point at full size (20: 37 of
     # the 40 ops took most of a 470 s call beside shards 8 and 18 on an H200).

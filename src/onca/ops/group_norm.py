@@ -265,10 +265,9 @@ def _slices(p: RowPlan, n_groups: int, ch_per_group: int) -> tuple[int, int]:
     group alone (128 groups of 4 x 168 x 1024 on a 264-program grid), and the group holds at least
     ``MIN_SPLIT_ELEMENTS``. Split, the group's sums take a second launch. Measured on an H200
     (bf16, batch 4, 1024 positions, 32 groups, CUDA graphs), the backward (forward + backward less
-    forward) split against whole: 5376 channels 0.068 against
-    0.075 ms, 8192 0.098 against 0.111, 4096 0.055 against 0.060, 2048 0.027 against 0.030; the
-    forward split was slower at 2048-8192 channels (4096: 0.051 against 0.045 ms), faster at 5376
-    only, and stays whole."""
+    forward) split against whole: 5376 channels 0.068 against 0.075 ms, 8192 0.098 against 0.111,
+    4096 0.055 against 0.060, 2048 0.027 against 0.030; the forward split was slower at 2048-8192
+    channels (4096: 0.051 against 0.045 ms), faster at 5376 only, and stays whole."""
     ch_blocks = -(-ch_per_group // p.block_rows)
     if ch_blocks == 1 or 2 * n_groups > p.grid or ch_per_group * p.cols < MIN_SPLIT_ELEMENTS:
         return 1, ch_blocks
