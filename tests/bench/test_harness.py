@@ -3,9 +3,11 @@ OOM handling, CSV append, charts and the model registry (every op's declaration:
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -181,6 +183,27 @@ def test_errors_are_recorded_not_raised():
     new = cpu_harness(modes=("forward",)).run(toy_benchmark(onca=broken), [toy_benchmark().sweeps[0]])
     point = by(new, "onca", "speed", "forward").points[0]
     assert point.status == "error" and "kernel exploded" in point.note
+
+
+def test_a_run_scans_only_its_own_objects_for_garbage_and_still_frees_its_cycles():
+    """The heap alive before a run is frozen during it (a full collection took 0.28 s on a GPU host,
+    eight per point and provider) and thawed after; a cycle the run made is collected within it."""
+    frozen_while_building, frozen_when_freed = [], []
+
+    class Node:
+        pass
+
+    def cyclic(p, inputs):
+        node = Node()
+        node.self, node.tensor = node, torch.ones(4)
+        weakref.finalize(node, lambda: frozen_when_freed.append(gc.get_freeze_count()))
+        frozen_while_building.append(gc.get_freeze_count())
+        return lambda: inputs["x"] * 2.0
+
+    cpu_harness(modes=("forward",)).run(toy_benchmark(onca=cyclic), [toy_benchmark().sweeps[0]])
+    assert frozen_while_building and min(frozen_while_building) > 0
+    assert frozen_when_freed and min(frozen_when_freed) > 0  # collected during the run
+    assert gc.get_freeze_count() == 0
 
 
 def test_memory_calibration_only_corrects_upwards_and_within_reason():
