@@ -103,6 +103,15 @@ REDUCTIONS = ("none", "mean", "sum")
 # 151936 4.75 -> 4.63, 8192 x 262144 4.01 -> 3.95. Also measured there and not taken: a hint to
 # keep the first read (no better), only the stores hinted (1.920), 32768-column tiles (2.41), 16
 # warps (2.70).
+#
+# Timed again with the hints and -inf masked loads (2026-11-28, kernel alone, ms), whole tiles
+# against half-budget ones (8192 columns in 16 warps): on an H200 half was faster at every shape
+# timed (8192 x 128256 1.689 -> 1.526, 32768 x 128256 6.715 -> 6.066, 16384 x 151936 4.154 ->
+# 3.619, 8192 x 262144 3.607 -> 3.155); on an H100 whole stays faster at 128256 columns (1.811
+# against 1.891; 2.138 against 2.846 with the token metrics, 2.898 against 3.601 with weights and
+# smoothing) and half is faster at 32000 (0.386 against 0.548) and 262144 (3.999 against 4.166).
+# Not changed: the better tile depends on the device and on the options; narrower tiles (8192 in
+# 8 warps, 4096 in 4 or 8) were slower on the H100 but for weights with smoothing (2.520 in 4096 x 4).
 TILES = dict(live_tiles=2, fp32_tiles=4, gpu_whole_two_pass=True)
 # With class weights and label smoothing the gradient pass also holds a tile of weights and the
 # weighted smoothing term (fp32); counting fewer than 7 spills the fp32 logits' forward-with-gradient
@@ -132,9 +141,16 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _load_logits(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr):
     """A tile of logits in fp32, soft-capped, ``-inf`` where masked (out of the row, ignored rows).
-    ``EVICTION``: the cache hint of the load ("" none; "evict_first" for a tile's last read)."""
-    x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
-    return tl.where(mask, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
+    ``EVICTION``: the cache hint of the load ("" none; "evict_first" for a tile's last read).
+    Masked lanes are loaded as ``-inf`` rather than selected after the load (the cap would map
+    ``-inf`` to ``-softcap``, so only capped tiles select): one select fewer per element, and a
+    32768-column tile no longer spills on sm_90 (64 registers, no stack, from 64 + 56 bytes). H200,
+    bf16, forward with gradient, kernel alone, outputs bitwise equal: 8192 x 128256 1.725 -> 1.689
+    ms, 32768 x 128256 6.861 -> 6.715, 16384 x 151936 4.250 -> 4.154, 8192 x 262144 3.661 -> 3.607."""
+    x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+    if HAS_SOFTCAP:
+        x = tl.where(mask, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
+    return x
 
 
 @triton.jit
