@@ -3,7 +3,7 @@ same loss and gradients as the patched model run eagerly, and Onca's kernels in 
 
 On the CPU the backend is ``eager`` (Dynamo's graph run as is; the kernels run on the
 interpreter); on a GPU, ``ONCA_TEST_SCALE=gpu`` also compiles with inductor over several optimizer
-steps (``test_inductor_training_matches_eager``).
+steps (``test_inductor_training_matches_eager``). The multimodal families: test_compile_multimodal.py.
 """
 
 from __future__ import annotations
@@ -91,10 +91,6 @@ COMPILED_FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mist
                      "deepseek_v4", "exaone4", "falcon_h1", "gemma4_text", "glm4", "gpt_oss", "hunyuan_v1_dense",
                      "hunyuan_v1_moe", "ministral", "nemotron", "olmo3", "qwen3_5", "qwen3_5_moe",
                      "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "smollm3", "llama4_text"]
-# The multimodal families (and Pixtral's vision encoder), built with an image as test_families.py
-# builds them: Hugging Face's own vision paths break the graph in most of them (data-dependent
-# shapes, ``.item()``), so the test below holds Onca to adding no break of its own.
-MULTIMODAL_FAMILIES = sorted(set(FAMILIES) - set(COMPILED_FAMILIES))
 
 
 def _grad_tolerance(device) -> dict:
@@ -218,55 +214,6 @@ def test_qwen3_widths_train_like_hugging_face(checkpointing, compiled, device):
         torch.cuda.empty_cache()
     assert torch.isfinite(losses["onca"]).all()
     torch.testing.assert_close(losses["onca"], losses["huggingface"], rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("model_type", MULTIMODAL_FAMILIES)
-def test_patched_multimodal_family_adds_no_graph_break(model_type, device, monkeypatch):
-    """Compiled with an image in its inputs, the patched model has no more graphs than the unpatched
-    one (one where Hugging Face's model is one graph), every Onca op its eager forward calls is in
-    them, and loss and gradients equal the patched model's eager run."""
-    from onca.integrations.transformers import multimodal
-    from onca.ops._contract import Op
-    from tests.integrations.test_families import _build, _loss, skip_if_the_original_fails
-
-    model, config = _build(model_type, torch.float32, device)
-    for module in (model.config, config.get_text_config()):
-        if getattr(module, "output_router_logits", False):  # see NO_ROUTER_LOGITS
-            module.output_router_logits = False
-    generator = torch.Generator().manual_seed(1)
-    inputs = {k: v.to(device) for k, v in multimodal.inputs(model_type, config, 1, 24, generator).items()}
-    skip_if_the_original_fails(model_type, model, inputs)
-
-    def step(_):
-        return _loss(model_type, model, inputs)
-
-    hf_graphs = _GraphRecorder()
-    torch._dynamo.reset()
-    torch.compile(step, backend=hf_graphs)(None)
-    onca.apply(model, **EVERY_KERNEL)
-    eager_ops = set()
-    with monkeypatch.context() as patch:  # the ops the eager forward calls
-        call = Op.__call__
-        patch.setattr(Op, "__call__", lambda op, *args: eager_ops.add(op.name) or call(op, *args))
-        with torch.no_grad():
-            step(None)
-    expected_loss, expected_grads = _loss_and_grads(model, step, None)
-    torch._dynamo.reset()
-    recorder = _GraphRecorder()
-    compiled = torch.compile(step, backend=recorder, fullgraph=hf_graphs.graphs == 1)
-    loss, grads = _loss_and_grads(model, compiled, None)
-
-    # Fewer is allowed: a patched module can replace code that broke the graph (InternVL: 8 graphs
-    # unpatched, 4 patched, transformers 5.23 on the CPU).
-    assert recorder.graphs <= hf_graphs.graphs, f"Hugging Face: {hf_graphs.graphs} graphs, patched: {recorder.graphs}"
-    assert eager_ops, "no Onca op ran"
-    missing = sorted(eager_ops - recorder.onca_ops)
-    assert not missing, f"Onca ops of the eager forward absent from the compiled graphs: {missing}"
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
-    assert grads.keys() == expected_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
-                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_qk_norm_rope_eager_setting_hands_the_attention_back_under_compile(device, monkeypatch):
