@@ -93,6 +93,15 @@ COMPILED_FAMILIES = ["gemma", "gemma2", "gemma3_text", "granite", "llama", "mist
                      "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "smollm3", "llama4_text"]
 
 
+def assert_same_loss_and_grads(loss, grads, expected_loss, expected_grads, device) -> None:
+    """The traced run's loss and every parameter's gradient against the eager run's."""
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def _grad_tolerance(device) -> dict:
     """fp32 gradients of the traced against the eager run. On a GPU they differ in the last bits
     where several contributions meet in an unordered sum (a tied head and embedding, the
@@ -122,11 +131,7 @@ def test_patched_family_compiles_fullgraph(model_type, device):
     patched = set(model._onca_kernels) - {"layer_norm", "causal_mask"}  # the mask switch is not an op
     missing = sorted(k for k in patched if not KERNEL_OPS[k] & recorder.onca_ops)
     assert not missing, f"kernels patched but absent from the compiled graph: {missing}"
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
-    assert grads.keys() == expected_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_same_loss_and_grads(loss, grads, expected_loss, expected_grads, device)
 
 
 def _eager_ops_and_result(model, step, tokens, monkeypatch):

@@ -14,9 +14,9 @@ from onca.integrations.transformers import FAMILIES
 from tests.integrations.test_compile import (
     COMPILED_FAMILIES,
     EVERY_KERNEL,
-    _grad_tolerance,
     _GraphRecorder,
     _loss_and_grads,
+    assert_same_loss_and_grads,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -69,8 +69,4 @@ def test_patched_multimodal_family_adds_no_graph_break(model_type, device, monke
     assert eager_ops, "no Onca op ran"
     missing = sorted(eager_ops - recorder.onca_ops)
     assert not missing, f"Onca ops of the eager forward absent from the compiled graphs: {missing}"
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
-    assert grads.keys() == expected_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], **_grad_tolerance(device),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_same_loss_and_grads(loss, grads, expected_loss, expected_grads, device)
