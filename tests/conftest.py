@@ -68,6 +68,27 @@ def _seed():
     yield
 
 
+_TEST_SECONDS: dict[str, list] = {}  # per test: [seconds so far, failed in a phase]
+
+
+def pytest_runtest_logreport(report):
+    """With ``ONCA_TEST_TIMES`` set to a file, each test's seconds (setup, call and teardown) and
+    outcome are appended to it as the test ends: a GPU shard cut off by a device call's time limit
+    still shows where its time went (pytest's ``--durations`` prints only at the end)."""
+    path = os.environ.get("ONCA_TEST_TIMES")
+    if not path:
+        return
+    entry = _TEST_SECONDS.setdefault(report.nodeid, [0.0, False, "passed"])
+    entry[0] += report.duration
+    entry[1] = entry[1] or report.failed
+    if report.when == "call" or report.skipped:
+        entry[2] = report.outcome
+    if report.when == "teardown":
+        seconds, failed, outcome = _TEST_SECONDS.pop(report.nodeid)
+        with open(path, "a") as log:
+            log.write(f"{seconds:.1f}\t{'failed' if failed else outcome}\t{report.nodeid}\n")
+
+
 def pytest_report_header(config):
     return (
         f"onca: scale={SCALE}, accelerator={onca_device.accelerator()}, "

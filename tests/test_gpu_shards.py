@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+from types import SimpleNamespace
 
 from tools.gpu_tests import SHARDS, command
 
@@ -38,3 +39,25 @@ def test_contributing_describes_every_shard():
     section = text.split("## On a GPU")[1].split("\n## ")[0]
     rows = re.findall(r"^\| (\w+) \| ", section, re.MULTILINE)
     assert sorted(r for r in rows if r != "shard") == sorted(SHARDS), "CONTRIBUTING.md's shard table is stale"
+
+
+def test_each_tests_seconds_are_written_as_it_ends(tmp_path, monkeypatch):
+    """``--times DIR``: the shard's tests append their seconds (setup + call + teardown) and outcome
+    to DIR/shard-N.tsv one by one, so a run cut off by a time limit keeps them."""
+    from tests import conftest
+
+    path = command("19", memcheck=False, pytest_args=[], times=str(tmp_path))[1]["ONCA_TEST_TIMES"]
+    assert path == str(tmp_path / "shard-19.tsv")
+    monkeypatch.setenv("ONCA_TEST_TIMES", path)
+    phases = {"t.py::a": [("setup", 0.5, "passed"), ("call", 2.0, "passed"), ("teardown", 0.3, "passed")],
+              "t.py::b": [("setup", 0.1, "skipped"), ("teardown", 0.0, "passed")],
+              "t.py::c": [("setup", 0.1, "passed"), ("call", 1.0, "failed"), ("teardown", 0.0, "passed")]}
+    for nodeid, reports in phases.items():
+        for when, seconds, outcome in reports:
+            conftest.pytest_runtest_logreport(SimpleNamespace(
+                nodeid=nodeid, when=when, duration=seconds, outcome=outcome,
+                failed=outcome == "failed", skipped=outcome == "skipped"))
+        if nodeid == "t.py::a":  # written when the test ends, not at the end of the run
+            assert (tmp_path / "shard-19.tsv").read_text() == "2.8\tpassed\tt.py::a\n"
+    assert (tmp_path / "shard-19.tsv").read_text().splitlines() == [
+        "2.8\tpassed\tt.py::a", "0.1\tskipped\tt.py::b", "1.1\tfailed\tt.py::c"]

@@ -4,6 +4,7 @@
     python -m tools.gpu_tests 1                 # shard 1 at GPU scale (ONCA_TEST_SCALE=gpu)
     python -m tools.gpu_tests all               # every shard, one after the other
     python -m tools.gpu_tests 1 --memcheck      # shard 1 under compute-sanitizer's memcheck
+    python -m tools.gpu_tests 19 --times $OUT   # each test's seconds into $OUT/shard-19.tsv as it ends
 
 ``--memcheck`` runs the shard's tests at CI scale (small shapes: the sanitizer slows kernels down
 by orders of magnitude) under ``compute-sanitizer --tool memcheck``; any memory error fails the
@@ -89,9 +90,12 @@ SHARDS: dict[str, tuple[str, ...]] = {
 KERNEL_SHARDS = ("1", "2", "3", "4", "5", "6", "10", "11", "12", "13", "15")
 
 
-def command(shard: str, memcheck: bool, pytest_args: list[str]) -> tuple[list[str], dict[str, str]]:
+def command(shard: str, memcheck: bool, pytest_args: list[str],
+            times: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, ONCA_TEST_SCALE="cpu" if memcheck else "gpu", PYTHONUNBUFFERED="1",
                ONCA_MEMCHECK="1" if memcheck else "0")
+    if times:  # tests/conftest.py appends each test's seconds there as it ends
+        env["ONCA_TEST_TIMES"] = os.path.join(times, f"shard-{shard}.tsv")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *SHARDS[shard], *pytest_args]
     if memcheck:
         sanitizer = shutil.which("compute-sanitizer") or "compute-sanitizer"
@@ -113,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("shard", nargs="?", help=f"one of {', '.join(SHARDS)}, or all")
     parser.add_argument("--list", action="store_true", help="print the shards and exit")
     parser.add_argument("--memcheck", action="store_true", help="under compute-sanitizer memcheck, CI scale")
+    parser.add_argument("--times", metavar="DIR", help="append each test's seconds and outcome to "
+                        "DIR/shard-N.tsv as it ends (kept when a device call's time limit cuts the run)")
     args = parser.parse_args(argv)
     if args.list or not args.shard:
         for name, files in SHARDS.items():
@@ -121,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.shard != "all" and args.shard not in SHARDS:
         parser.error(f"unknown shard {args.shard!r}; shards: {', '.join(SHARDS)}, all")
     shards = list(KERNEL_SHARDS if args.memcheck else SHARDS) if args.shard == "all" else [args.shard]
+    if args.times:
+        os.makedirs(args.times, exist_ok=True)
     status = 0
     for shard in shards:
-        cmd, env = command(shard, args.memcheck, pytest_args)
+        cmd, env = command(shard, args.memcheck, pytest_args, args.times)
         print(f"== shard {shard}: {' '.join(cmd)}", flush=True)
         start = time.perf_counter()
         code = subprocess.call(cmd, env=env)
