@@ -206,6 +206,21 @@ def test_a_run_scans_only_its_own_objects_for_garbage_and_still_frees_its_cycles
     assert gc.get_freeze_count() == 0
 
 
+def test_the_line_log_gives_each_run_its_own_seconds_over_the_rounds(monkeypatch, capsys):
+    """Two providers, two rounds: each line is the provider's own time in both rounds (the first
+    provider's line once held the whole first round of both)."""
+    clock = iter([0.0, 1.0, 3.0, 4.0, 4.5, 5.0, 8.0])
+    monkeypatch.setattr(harness.time, "monotonic", lambda: next(clock))
+    log = harness._LineLog("bench toy")  # 0
+    log.set_postfix_str("n=4 onca")  # 1
+    log.set_postfix_str("n=4 torch")  # 3: onca's first round, 2 s
+    log.set_postfix_str("n=4 onca")  # 4: torch's first round, 1 s
+    log.update()  # 4.5: onca's second round, 0.5 s
+    log.set_postfix_str("n=4 torch")  # 5: between the two, no one's
+    log.update()  # 8: torch's second round, 3 s
+    assert capsys.readouterr().out.splitlines() == ["bench toy n=4 onca: 2.5 s", "bench toy n=4 torch: 4.0 s"]
+
+
 def test_memory_calibration_only_corrects_upwards_and_within_reason():
     assert harness.calibration(100, 200) == 1.0
     assert harness.calibration(300, 200) == 1.5

@@ -617,17 +617,28 @@ def _free():
 
 class _LineLog:
     """Without a progress bar (``--no-progress``, or no tqdm): one line per finished run, with its
-    time, so that a run cut off by a time limit still shows how far it got and where time went."""
+    time, so that a run cut off by a time limit still shows how far it got and where time went.
+    A run's time is its own over every round (the seconds between its ``set_postfix_str`` and the
+    next one's): with several rounds the providers take turns, and timing from one finished run to
+    the next gave the first provider the whole first round of every provider."""
 
     def __init__(self, desc):
         self.desc, self.what, self.start = desc, "", time.monotonic()
+        self.spent: dict[str, float] = {}
 
-    def update(self, n=1):
+    def _close_interval(self):
         now = time.monotonic()
-        print(f"{self.desc} {self.what}: {now - self.start:.1f} s", flush=True)
+        if self.what:  # "" after a finished run: nothing is running
+            self.spent[self.what] = self.spent.get(self.what, 0.0) + now - self.start
         self.start = now
 
+    def update(self, n=1):
+        self._close_interval()
+        print(f"{self.desc} {self.what}: {self.spent.pop(self.what, 0.0):.1f} s", flush=True)
+        self.what = ""
+
     def set_postfix_str(self, s):
+        self._close_interval()
         self.what = s
 
     def close(self):
