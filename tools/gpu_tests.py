@@ -77,6 +77,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
     "18": (  # the command line, the device and tiling, the tools, direct launches
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
         "tests/test_host_path.py", "tests/test_kernel_times.py", "tests/test_step_kernels.py",
+        "tests/test_kernel_variants.py",
         "tests/ops/test_launch.py", "tests/ops/test_rows.py",
     ),
     # Every text family under torch.compile (inductor): on an H200 alone (2026-11-28) the file with

@@ -1,0 +1,44 @@
+"""tools.kernel_variants: an op's kernels rebuilt from substituted source, swapped into its module
+while they run, compared with the base and timed beside it (on the CPU: the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onca.bench import harness
+from onca.ops import _small_calls as small_calls
+from onca.ops import rms_norm
+from tools import kernel_variants
+
+ONE_TILE = "rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)"
+
+
+def test_a_variant_runs_in_place_of_the_kernel_and_is_compared_with_the_base(tmp_path, device, monkeypatch):
+    monkeypatch.setattr(small_calls, "_limit", 0)  # on a GPU the probe size would run torch's op
+    bench = harness.load("rms_norm")
+    same = kernel_variants.variant_names(rms_norm, [], "same", str(tmp_path))
+    scaled = ONE_TILE.replace("+ eps)", "+ eps) * 1.25")
+    off = kernel_variants.variant_names(rms_norm, [[ONE_TILE, scaled]], "off", str(tmp_path))
+    assert "FORWARD_TILES" in off and any(callable(v) for v in off.values())
+    kernel = next(name for name, obj in off.items() if callable(obj))
+    original = getattr(rms_norm, kernel)
+    lines = []
+    times = kernel_variants.time_points(bench, rms_norm, {"same": same, "off": off},
+                                        [("probe", dict(bench.probe))], device=device, rounds=1,
+                                        report=lines.append)
+    assert getattr(rms_norm, kernel) is original  # swapped back
+    assert "probe same: bitwise equal" in lines
+    assert any(line.startswith("probe off: max abs diff") for line in lines)
+    assert set(times["probe"]) == {"base", "same", "off"}
+
+
+def test_a_substitution_must_match_exactly_once(tmp_path):
+    with pytest.raises(ValueError, match="variant 'missing'.*occurs 0 times"):
+        kernel_variants.variant_names(rms_norm, [["no such text", "x"]], "missing", str(tmp_path))
+
+
+def test_compare_reports_bitwise_equality_or_the_largest_difference():
+    a = [torch.ones(3), torch.zeros(2)]
+    assert kernel_variants.compare(a, [t.clone() for t in a]) == "bitwise equal"
+    assert kernel_variants.compare(a, [torch.ones(3), torch.tensor([0.0, 0.5])]) == "max abs diff 0.5"

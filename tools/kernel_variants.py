@@ -1,0 +1,228 @@
+"""Time an op's kernel variants side by side in one process, at its benchmark's points.
+
+    python -m tools.kernel_variants SPEC.json [--points 8192,llama-3-8b] [--mode full] [--rounds 2]
+                                              [--peers liger] [--out FILE.json]
+
+``SPEC.json`` names the op and its variants, each a list of text substitutions in the op's module
+(``src/onca/ops/<op>.py``)::
+
+    {"op": "cross_entropy",
+     "variants": {"minus_inf_loads": [["other=0.0, eviction_policy", "other=float('-inf'), ..."]],
+                  "half_tiles": [["fp32_tiles=4, gpu_whole_two_pass=True)", "fp32_tiles=4)"]]}}
+
+Each variant is the module's source with its substitutions applied (each old text must occur
+exactly once), of which only the Triton functions (``@triton.jit`` and the decorators above it) and
+the upper-case module constants (tile declarations, thresholds) are executed, in a copy of the
+module's namespace, from a file of their own (Triton reads a kernel's source from its file). While a
+variant is timed those names are swapped into the module, so the op's own launchers and public
+function run it; the base (the module as it is) is always timed too. Plans and launch
+configurations cached by Onca are dropped at each swap (a constant may have changed them).
+
+Each point's inputs are made once (the benchmark's ``make_inputs``); the variants and the peers
+take turns for ``--rounds`` rounds, each keeping its fastest ``do_bench`` median (on a CPU: one
+timed call, the interpreter's; for checking a spec, not for timing), printed with the base's time
+over each (above 1: faster than the base). A point small enough for Onca's small-call route runs
+torch's op instead of the kernels (reported; ``ONCA_SMALL_CALL_LIMIT=0`` turns the route off).
+Before timing, every variant's
+outputs and input gradients from fresh inputs are compared with the base's: bitwise equal, or the
+largest absolute difference. Names another module imported from the op's module (``from ... import
+_kernel``) keep the base's object: substitute in that module instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+
+import torch
+
+from onca.bench import harness
+from onca.bench.spec import build
+from onca.ops import _small_calls as small_calls
+
+__all__ = ["variant_names", "swapped", "compare", "time_points", "main"]
+
+
+def _is_jit(node: ast.AST) -> bool:
+    return isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)
+
+
+def _targets(node: ast.AST) -> list:
+    if isinstance(node, ast.Assign):
+        return node.targets
+    return [node.target] if isinstance(node, ast.AnnAssign) else []
+
+
+def _is_constant(node: ast.AST) -> bool:
+    targets = _targets(node)
+    return bool(targets) and all(isinstance(t, ast.Name) and t.id.isupper() for t in targets)
+
+
+def _substituted(source: str, substitutions: list, variant: str) -> str:
+    for old, new in substitutions:
+        count = source.count(old)
+        if count != 1:
+            raise ValueError(f"variant {variant!r}: {old[:60]!r} occurs {count} times in the module "
+                             "(must be once)")
+        source = source.replace(old, new)
+    return source
+
+
+def variant_names(module: types.ModuleType, substitutions: list, variant: str, workdir: str) -> dict:
+    """The Triton functions and upper-case constants of ``module`` with ``substitutions`` applied,
+    executed from a file in ``workdir`` in a copy of the module's namespace: ``{name: object}``."""
+    source = _substituted(open(module.__file__).read(), substitutions, variant)
+    path = os.path.join(workdir, f"{module.__name__.rsplit('.', 1)[-1]}__{variant}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    tree = ast.parse(source, filename=path)
+    chosen = [n for n in tree.body if _is_jit(n) or _is_constant(n)]
+    namespace = dict(vars(module))
+    exec(compile(ast.Module(body=chosen, type_ignores=[]), path, "exec"), namespace)  # noqa: S102
+    names = [n.name if isinstance(n, ast.FunctionDef) else t.id
+             for n in chosen for t in ([n] if isinstance(n, ast.FunctionDef) else _targets(n))]
+    return {name: namespace[name] for name in names}
+
+
+def _drop_cached_plans(module: types.ModuleType) -> None:
+    from onca import tiling
+    from onca.ops import _launch
+
+    _launch._CONFIGS.clear()
+    tiling._plan_rows.cache_clear()
+    for obj in vars(module).values():
+        if isinstance(obj, functools._lru_cache_wrapper):
+            obj.cache_clear()
+
+
+@contextlib.contextmanager
+def swapped(module: types.ModuleType, names: dict):
+    """``names`` set on ``module`` for the duration (the base: an empty dict)."""
+    saved = {name: getattr(module, name) for name in names}
+    _drop_cached_plans(module)
+    for name, obj in names.items():
+        setattr(module, name, obj)
+    try:
+        yield
+    finally:
+        for name, obj in saved.items():
+            setattr(module, name, obj)
+        _drop_cached_plans(module)
+
+
+def _result(bench, params, device, dtype, mode):
+    """Outputs (forward) and input gradients (backward modes) of the op on fresh seeded inputs."""
+    torch.manual_seed(0)
+    inputs = bench.make_inputs(params, dtype, device)
+    leaves = harness._leaves(inputs)
+    outs, _ = harness._outputs_and_grads(build(bench.onca, params, inputs, mode)(), make_grads=False)
+    tensors = [o.detach().clone() for o in outs]
+    if mode != "forward":
+        torch.manual_seed(1)
+        torch.autograd.backward(outs, [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs])
+        tensors += [t.grad.clone() for t in leaves if t.grad is not None]
+    return tensors
+
+
+def compare(base: list, other: list) -> str:
+    """"bitwise equal", or the largest absolute difference over the tensors."""
+    if len(base) != len(other):
+        return f"{len(other)} tensors against the base's {len(base)}"
+    if all(torch.equal(a, b) for a, b in zip(base, other)):
+        return "bitwise equal"
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(base, other))
+    return f"max abs diff {worst:.3g}"
+
+
+def _time_once(fn, on_gpu: bool) -> float:
+    if on_gpu:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5])[0])
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_points(bench, module, variants: dict, points: list, *, device: str, dtype=torch.bfloat16,
+                mode: str = "full", rounds: int = 2, peers: tuple = (), report=print) -> dict:
+    """``{x: {name: ms}}`` for the base, every variant and every peer, at each ``(x, params)``."""
+    on_gpu = torch.device(device).type == "cuda"
+    results = {}
+    for x, params in points:
+        base = _result(bench, params, device, dtype, mode)
+        for name, names in variants.items():
+            with swapped(module, names):
+                report(f"{x} {name}: {compare(base, _result(bench, params, device, dtype, mode))}")
+        inputs = bench.make_inputs(params, dtype, device)
+        leaves = harness._leaves(inputs)
+        providers = {"base": (bench.onca, {}), **{n: (bench.onca, v) for n, v in variants.items()}}
+        for peer in peers:
+            factory = bench.liger if peer == "liger" else bench.peers[peer]
+            providers[peer] = (factory, {})
+        best = {name: float("inf") for name in providers}
+        for _ in range(rounds):
+            for name, (factory, names) in providers.items():
+                with swapped(module, names):
+                    step = harness.Harness._step(build(factory, params, inputs, mode), leaves, mode)
+                    taken = small_calls.taken
+                    step()  # compilation outside the timing
+                    if small_calls.taken != taken and factory is bench.onca:
+                        report(f"{x} {name}: took the small-call route (torch's op), not the kernels; "
+                               "ONCA_SMALL_CALL_LIMIT=0 turns it off")
+                    best[name] = min(best[name], _time_once(step, on_gpu))
+        results[str(x)] = best
+        # The base's time over each one's: above 1, faster than the base.
+        ratios = "  ".join(f"{n} {ms:.3f} ({best['base'] / ms:.2f}x)" for n, ms in best.items())
+        report(f"{x}: {ratios}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.kernel_variants",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("spec", help="JSON: {\"op\": ..., \"variants\": {name: [[old, new], ...]}}")
+    parser.add_argument("--points", help="comma-separated x values of the op's sweeps "
+                        "(default: each D1 sweep's first)")
+    parser.add_argument("--mode", default="full", choices=("forward", "backward", "full"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--peers", default="",
+                        help="comma-separated: liger, or a peer the benchmark declares")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--out", help="write the times (ms) to this JSON file")
+    args = parser.parse_args(argv)
+    spec = json.load(open(args.spec))
+    bench = harness.load(spec["op"])
+    module = sys.modules.get(f"onca.ops.{spec['op']}") or __import__(f"onca.ops.{spec['op']}", fromlist=["_"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    wanted = set(args.points.split(",")) if args.points else None
+    points = [(x, p) for sweep in bench.sweeps for x, p in sweep.points
+              if (wanted is None and sweep.kind == "d1" and (x, p) == sweep.points[0])
+              or (wanted is not None and str(x) in wanted)]
+    if wanted is not None and {str(x) for x, _ in points} != wanted:
+        parser.error(f"no such point(s): {sorted(wanted - {str(x) for x, _ in points})}")
+    if device == "cpu":
+        points = [("probe", dict(bench.probe))]  # a spec check at the benchmark's probe size
+    with tempfile.TemporaryDirectory() as workdir:
+        variants = {name: variant_names(module, subs, name, workdir)
+                    for name, subs in spec["variants"].items()}
+        peers = tuple(p for p in args.peers.split(",") if p)
+        results = time_points(bench, module, variants, points, device=device, dtype=dtype, mode=args.mode,
+                              rounds=args.rounds, peers=peers)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
