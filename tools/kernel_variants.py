@@ -10,6 +10,9 @@
      "variants": {"minus_inf_loads": [["other=0.0, eviction_policy", "other=float('-inf'), ..."]],
                   "half_tiles": [["fp32_tiles=4, gpu_whole_two_pass=True)", "fp32_tiles=4)"]]}}
 
+(``"module"``, optional, names another module: fused linear cross entropy's variants of the
+cross-entropy kernel are substitutions in ``onca.ops.cross_entropy``.)
+
 Each variant is the module's source with its substitutions applied (each old text must occur
 exactly once), of which only the Triton functions (``@triton.jit`` and the decorators above it) and
 the upper-case module constants (tile declarations, thresholds) are executed, in a copy of the
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = json.load(open(args.spec))
     bench = harness.load(spec["op"])
-    module = sys.modules.get(f"onca.ops.{spec['op']}") or __import__(f"onca.ops.{spec['op']}", fromlist=["_"])
+    name = spec.get("module", f"onca.ops.{spec['op']}")
+    module = sys.modules.get(name) or __import__(name, fromlist=["_"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     wanted = set(args.points.split(",")) if args.points else None
