@@ -467,6 +467,31 @@ def test_class_weights_with_every_option(device, dtype):
     check_weighted(logits, target, weight, "none", True, **OPTIONS["all"])
 
 
+def test_tiles_follow_the_options(device, monkeypatch):
+    """Plain rows take the GPU planner's half-budget two-pass tile, the token metrics and class
+    weights the whole budget (measured per option: see ``TILES``), and each launch plans with the
+    declaration of the options it carries."""
+    h100 = onca_device.PROFILES["h100"]
+    plans = op.plan((8192, 128256), torch.bfloat16, h100)
+    assert (plans["forward"].block_cols, plans["forward"].num_warps) == (8192, 16)
+    assert (plans["options"].block_cols, plans["options"].num_warps) == (16384, 32)
+    assert plans["weighted_smoothing"].col_tiles > 1 and plans["weighted_smoothing"].num_warps == 32
+    launched = []
+    real = op.plan_rows
+    monkeypatch.setattr(op, "plan_rows", lambda *a, **k: launched.append(k) or real(*a, **k))
+    logits = make_logits((5, VOCAB), torch.float32, device)
+    target = torch.randint(0, VOCAB, (5,), device=device)
+    weight = class_weights(VOCAB, device, torch.float32)
+    calls = {"plain": {}, "metrics": dict(return_token_accuracy=True), "weights": dict(weight=weight),
+             "weights and smoothing": dict(weight=weight, label_smoothing=0.1)}
+    for options in calls.values():
+        out = cross_entropy(leaf(logits), target, **options)
+        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+    # forward and backward each: the metrics' backward carries no argmax, so plain rows' tile
+    assert launched == [op.TILES] * 2 + [op.OPTION_TILES, op.TILES] + [op.OPTION_TILES] * 2 + \
+        [op.WEIGHTED_SMOOTHING_TILES] * 2
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
 def test_class_weights_column_tiled(profile, device, onchip_bytes, in_place):
     forced = onchip_bytes(16384)

@@ -92,27 +92,26 @@ REDUCTIONS = ("none", "mean", "sum")
 # (input dtype); the fp32 logits, their exponentials, the gradient and the soft-cap/target terms
 # (fp32). Counting fewer lets the GPU plan put 32 elements per thread, which spills
 # (tools/sm90_compile.py shows it). A row too wide for one tile is read twice (the log-sum-exp,
-# then the gradient): on a GPU its tile takes the whole budget (16384 columns in 32 warps, one
-# program per SM) so that the rows in flight stay in the L2 cache for the second read. Measured on
-# an H100 (bf16, forward + backward, the gradient over the logits), against 8192-column tiles in 16
-# warps: 4.64 -> 4.43 ms at 16384 x 128256, 2.37 -> 2.27 at 8192 x 128256, 2.74 -> 2.34 with class
-# weights, 2.93 -> 2.60 with the token metrics, 4.73 -> 4.80 at 8192 x 262144 (2% slower). The
-# second read and the gradient's stores are hinted evict-first (their lines are not used again),
-# the row walked forward: against no hints and a walk back from the row's last tile (which hit the
-# cache then), on an H200: 8192 x 128256 1.943 -> 1.878 ms, 32768 x 128256 7.64 -> 7.43, 16384 x
-# 151936 4.75 -> 4.63, 8192 x 262144 4.01 -> 3.95. Also measured there and not taken: a hint to
-# keep the first read (no better), only the stores hinted (1.920), 32768-column tiles (2.41), 16
-# warps (2.70).
+# then the gradient), the second read and the gradient's stores hinted evict-first (their lines are
+# not used again) and the row walked forward: against no hints and a walk back from the row's last
+# tile, on an H200: 8192 x 128256 1.943 -> 1.878 ms, 32768 x 128256 7.64 -> 7.43, 16384 x 151936
+# 4.75 -> 4.63, 8192 x 262144 4.01 -> 3.95 (not taken there: a hint to keep the first read, only the
+# stores hinted, 32768-column tiles, 16 warps).
 #
-# Timed again with the hints and -inf masked loads (2026-11-28, kernel alone, ms), whole tiles
-# against half-budget ones (8192 columns in 16 warps): on an H200 half was faster at every shape
-# timed (8192 x 128256 1.689 -> 1.526, 32768 x 128256 6.715 -> 6.066, 16384 x 151936 4.154 ->
-# 3.619, 8192 x 262144 3.607 -> 3.155); on an H100 whole stays faster at 128256 columns (1.811
-# against 1.891; 2.138 against 2.846 with the token metrics, 2.898 against 3.601 with weights and
-# smoothing) and half is faster at 32000 (0.386 against 0.548) and 262144 (3.999 against 4.166).
-# Not changed: the better tile depends on the device and on the options; narrower tiles (8192 in
-# 8 warps, 4096 in 4 or 8) were slower on the H100 but for weights with smoothing (2.520 in 4096 x 4).
-TILES = dict(live_tiles=2, fp32_tiles=4, gpu_whole_two_pass=True)
+# Plain rows get the planner's two-pass tile (half the budget: 8192 columns in 16 warps); with the
+# token metrics (the argmax) or class weights the tile takes the whole budget (16384 columns in 32
+# warps, ``gpu_whole_two_pass``). Timed on an H100 (2026-11-28, bf16, forward with the gradient,
+# every point of the benchmark, tools/kernel_variants.py), whole against half, ms: 8192 x 32000
+# 0.620 -> 0.482 and Phi-3-mini's 32064 0.624 -> 0.440 with half; 151936 columns 2.584 -> 2.509,
+# 262144 4.497 -> 4.411, Gemma 3's 262208 4.723 -> 4.577; half 2.5% slower at 128256 (2.027 ->
+# 2.079, still 1.2x liger-kernel's 2.54); with the token metrics 2.286 against 3.027 and with class
+# weights 2.082 against 2.234, whole faster. On an H200 half was faster at every plain shape timed
+# (8192 x 128256 1.689 -> 1.526, 32768 x 128256 6.715 -> 6.066, 16384 x 151936 4.154 -> 3.619,
+# 8192 x 262144 3.607 -> 3.155); the options there were not timed. Narrower tiles (8192 in 8 warps,
+# 4096 in 4 or 8) were slower on the H100 but for class weights with label smoothing (2.520 ms in
+# 4096 x 4 against the whole tile's 2.898), not taken.
+TILES = dict(live_tiles=2, fp32_tiles=4)
+OPTION_TILES = dict(TILES, gpu_whole_two_pass=True)
 # With class weights and label smoothing the gradient pass also holds a tile of weights and the
 # weighted smoothing term (fp32); counting fewer than 7 spills the fp32 logits' forward-with-gradient
 # variant on sm_90 (tools/sm90_compile.py shows it).
@@ -441,13 +440,22 @@ def _scale_rows(x_ptr, out_ptr, rows64, row_mask, factor, n_cols, x_row_stride, 
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
-    """The kernel's plan for logits of ``shape`` (``(..., vocab)``). Forward (loss, and the gradient
-    when it is computed there) and deferred backward launch the same kernel with the same plan;
-    class weights with label smoothing add a tile of weights (``weighted_smoothing``)."""
+    """The kernel's plans for logits of ``shape`` (``(..., vocab)``). Forward (loss, and the gradient
+    when it is computed there) and deferred backward launch the same kernel with the same plan; the
+    token metrics or class weights take ``options``' tile, class weights with label smoothing
+    ``weighted_smoothing``'s (a tile of weights more); see :func:`_tiles`."""
     rows, cols = rows_cols(shape)
     p = plan_rows(rows, cols, dtype, profile=profile, **TILES)
-    weighted = plan_rows(rows, cols, dtype, profile=profile, **WEIGHTED_SMOOTHING_TILES)
-    return {"forward": p, "backward": p, "weighted_smoothing": weighted}
+    return {"forward": p, "backward": p,
+            "options": plan_rows(rows, cols, dtype, profile=profile, **OPTION_TILES),
+            "weighted_smoothing": plan_rows(rows, cols, dtype, profile=profile, **WEIGHTED_SMOOTHING_TILES)}
+
+
+def _tiles(weight: Tensor | None, label_smoothing: float, predicted: Tensor | None) -> dict:
+    """The tile declaration of one launch, by the options it carries (measured: see TILES)."""
+    if weight is not None and label_smoothing > 0:
+        return WEIGHTED_SMOOTHING_TILES
+    return OPTION_TILES if weight is not None or predicted is not None else TILES
 
 
 def cross_entropy_rows(
@@ -484,7 +492,7 @@ def cross_entropy_rows(
     """
     rows, cols = x.shape
     weighted_smoothing = weight is not None and label_smoothing > 0
-    p = plan_rows(rows, cols, x.dtype, **(WEIGHTED_SMOOTHING_TILES if weighted_smoothing else TILES))
+    p = plan_rows(rows, cols, x.dtype, **_tiles(weight, label_smoothing, predicted))
     write_grad = grad is not None
     scale_stride = 0 if scale is None or scale.dim() == 0 else scale.stride(0)
     if z_scale is None:
