@@ -26,11 +26,18 @@ def test_a_variant_runs_in_place_of_the_kernel_and_is_compared_with_the_base(tmp
     lines = []
     times = kernel_variants.time_points(bench, rms_norm, {"same": same, "off": off},
                                         [("probe", dict(bench.probe))], device=device, rounds=1,
-                                        report=lines.append)
+                                        peers=("torch",), report=lines.append)
     assert getattr(rms_norm, kernel) is original  # swapped back
     assert "probe same: bitwise equal" in lines
     assert any(line.startswith("probe off: max abs diff") for line in lines)
-    assert set(times["probe"]) == {"base", "same", "off"}
+    assert set(times["probe"]) == {"base", "same", "off", "torch"}
+
+
+def test_a_peer_the_op_lacks_is_named(device):
+    bench = harness.load("rms_norm")
+    with pytest.raises(ValueError, match="no provider 'nonesuch'"):
+        kernel_variants.time_points(bench, rms_norm, {}, [("probe", dict(bench.probe))], device=device,
+                                    rounds=1, peers=("nonesuch",), report=lambda line: None)
 
 
 def test_a_substitution_must_match_exactly_once(tmp_path):

@@ -1,7 +1,7 @@
 """Time an op's kernel variants side by side in one process, at its benchmark's points.
 
     python -m tools.kernel_variants SPEC.json [--points 8192,llama-3-8b] [--mode full] [--rounds 2]
-                                              [--peers liger] [--out FILE.json]
+                                              [--peers liger,torch_compile] [--out FILE.json]
 
 ``SPEC.json`` names the op and its variants, each a list of text substitutions in the op's module
 (``src/onca/ops/<op>.py``)::
@@ -171,7 +171,9 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
         leaves = harness._leaves(inputs)
         providers = {"base": (bench.onca, {}), **{n: (bench.onca, v) for n, v in variants.items()}}
         for peer in peers:
-            factory = bench.liger if peer == "liger" else bench.peers[peer]
+            factory = harness.provider_factory(bench, peer)
+            if factory is None:
+                raise ValueError(f"--peers: {bench.name} has no provider {peer!r}")
             providers[peer] = (factory, {})
         best = {name: float("inf") for name in providers}
         for _ in range(rounds):
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="full", choices=("forward", "backward", "full"))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peers", default="",
-                        help="comma-separated: liger, or a peer the benchmark declares")
+                        help="comma-separated: torch, torch_compile, liger, or a peer the benchmark declares")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--out", help="write the times (ms) to this JSON file")
     args = parser.parse_args(argv)

@@ -98,6 +98,31 @@ class _ProviderState:
     memory_ratio: dict[str, float] = field(default_factory=dict)
 
 
+def provider_factory(bench: OpBenchmark, provider: str):
+    """The factory of ``provider``'s run of ``bench`` (onca, torch, torch_compile, liger, or a peer
+    the op declares), or None where this op has none."""
+    if provider == "onca":
+        return bench.onca
+    if provider == "torch":
+        return bench.reference
+    if provider == "torch_compile":
+        def compiled(params, inputs):
+            import torch._inductor.config as inductor_config
+
+            # Inductor compiles in this process: its pool of compile workers (one per core)
+            # starts with the first compile and imports torch in every worker for seconds,
+            # slowing every host-bound provider timed meanwhile (the first points of a sweep).
+            inductor_config.compile_threads = 1
+            torch._dynamo.reset()  # a fresh cache per point: no silent fall back to eager
+            return torch.compile(bench.reference(params, inputs))
+
+        return compiled
+    if provider == "liger":
+        return bench.liger
+    # A peer of this op, or a peer another op declares (then: no implementation here).
+    return bench.peers.get(provider)
+
+
 class Harness:
     """Runs sweeps of one op; ``records`` accumulates what was measured."""
 
@@ -214,28 +239,6 @@ class Harness:
 
     # -------------------------------------------------------------------------------- a point
 
-    def _factory(self, bench: OpBenchmark, provider: str):
-        if provider == "onca":
-            return bench.onca
-        if provider == "torch":
-            return bench.reference
-        if provider == "torch_compile":
-            def compiled(params, inputs):
-                import torch._inductor.config as inductor_config
-
-                # Inductor compiles in this process: its pool of compile workers (one per core)
-                # starts with the first compile and imports torch in every worker for seconds,
-                # slowing every host-bound provider timed meanwhile (the first points of a sweep).
-                inductor_config.compile_threads = 1
-                torch._dynamo.reset()  # a fresh cache per point: no silent fall back to eager
-                return torch.compile(bench.reference(params, inputs))
-
-            return compiled
-        if provider == "liger":
-            return bench.liger
-        # A peer of this op, or a peer another op declares (then: no implementation here).
-        return bench.peers.get(provider)
-
     def _run_point(self, bench, provider, state, params, x, profile, wall_clock=False,
                    memory=True) -> dict[tuple, Point]:
         """One provider at one point: ``{(metric, mode): Point}``; ``memory=False`` (a later timing
@@ -262,7 +265,7 @@ class Harness:
                 try:
                     if inputs is None:
                         inputs = bench.make_inputs(params, self.settings.dtype, self.settings.device)
-                        factory = self._factory(bench, provider)
+                        factory = provider_factory(bench, provider)
                     if run is None or takes_mode(factory):
                         # Built once per point (modules, options and torch.compile's graph), or once
                         # per mode by a factory that takes the mode.
@@ -466,7 +469,7 @@ class Harness:
         states = {}
         for provider in self.providers(bench):
             state = _ProviderState()
-            factory = self._factory(bench, provider)
+            factory = provider_factory(bench, provider)
             if factory is None:
                 state.available, state.note = False, f"{bench.name} has no {provider} implementation"
                 states[provider] = state
