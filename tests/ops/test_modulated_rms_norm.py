@@ -132,7 +132,7 @@ def test_gpu_backward_plan(device, monkeypatch):
     h100 = onca_device.profile_named("h100")
     p = op._backward_plan(16384, 1024, torch.bfloat16, 4, h100)
     tile = (p.block_rows * p.block_cols, p.num_warps, p.grid)
-    assert tile == (op.GPU_BACKWARD_TILE, 4, 2 * h100.compute_units)
+    assert tile == (op.GPU_BACKWARD_TILE, 8, 2 * h100.compute_units)
     wide = op._backward_plan(16384, 16384, torch.bfloat16, 4, h100)
     assert wide == plan_rows(16384, 16384, torch.bfloat16, profile=h100, persistent=True, max_block_rows=4096,
                              **op.BACKWARD_TILES)

@@ -52,13 +52,15 @@ __all__ = ["modulated_rms_norm", "plan"]
 FORWARD_TILES = dict(live_tiles=5, fp32_tiles=3)  # x, w, scale, shift, y; x, scale and y in fp32
 # x, dy, w, scale, dx; x, dy, n, r, dn, dx and the dW / dscale / dshift column sums in fp32.
 BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=8)
-# Elements of a backward tile on a GPU at most (so 4 warps), two programs per compute unit: H100,
-# bf16, forward + backward device time at 16384 tokens with 4 modulation rows, against the
-# planner's 8192-element tiles of 8 warps: hidden 1024 (4 rows a tile) 0.097 against 0.148 ms,
-# hidden 4096 (1 row) 0.307 against 0.313. Four programs per unit (the planner's count for 4-warp
-# programs) took 0.119 and over 0.33 ms; two rows of 4096 at 16 warps and one program per unit,
-# 0.292 at hidden 4096, was not tried at other widths.
-GPU_BACKWARD_TILE = 4096
+# Elements of a backward tile on a GPU at most, two programs per compute unit. H100, bf16, forward +
+# backward with 4 modulation rows, 16384 tokens: 4096-element tiles (4 warps) against the planner's
+# 8192-element tiles of 8 warps, device time: hidden 1024 (4 rows a tile) 0.097 against 0.148 ms,
+# hidden 4096 (1 row) 0.307 against 0.313; four programs per unit took 0.119 and over 0.33 ms.
+# Then 8192 against 4096 (2026-11-28, H100, tools/kernel_variants.py, the benchmark's points,
+# wall clock): hidden 1024 0.516 against 0.608 ms, 3072 0.564 against 0.648, 3584 0.510 against
+# 0.534, 4096 0.465 against 0.501, 8192 equal (0.669); liger-kernel 0.69-0.86 there. At hidden
+# 4096 the 4096-element tile spilled on sm_90 (255 registers, 224 bytes of stack); this one does not.
+GPU_BACKWARD_TILE = 8192
 
 
 # ----------------------------------------------------------------------------------------- kernels
