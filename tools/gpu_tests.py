@@ -72,7 +72,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
     # harness's 75 tests took the whole 430 s of a device call; alone these two took 35 s.
     "16": ("tests/integrations/test_cuda_graph.py", "tests/integrations/test_causal_mask.py"),  # graphs, SDPA
     # The benchmark harness, timing on the device; every op's first D1 point at full size (20: 37 of
-    # the 40 ops took most of a 470 s call beside shards 8 and 18 on an H200).
+    # the 40 ops took most of a 470 s call beside shards 8 and 18 on an H200; alone on an H100 after
+    # the frozen heap, 2026-11-28: 17 in 20 s, 20 in about 250 s).
     "17": ("tests/bench/test_harness.py",),
     "18": (  # the command line, the device and tiling, the tools, direct launches
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
@@ -82,7 +83,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
     ),
     # Every text family under torch.compile (inductor): on an H200 alone (2026-11-28) the file with
     # the multimodal families in it had run 44 of its 58 tests when a 380 s call ended: those 16 are
-    # shard 21.
+    # shard 21 (alone on an H100, 2026-11-28: its 15 tests in 206 s).
     "19": ("tests/integrations/test_compile.py",),
     "20": ("tests/bench/test_declarations.py",),
     "21": ("tests/integrations/test_compile_multimodal.py",),  # the multimodal families compiled
