@@ -121,7 +121,8 @@ def test_the_compiled_provider_compiles_without_a_worker_pool(monkeypatch):
 
     monkeypatch.setattr(inductor_config, "compile_threads", 8)
     bench = toy_benchmark()
-    run = harness.provider_factory(bench, "torch_compile")({"n": 4}, bench.make_inputs({"n": 4}, torch.float32, "cpu"))
+    compiled = harness.provider_factory(bench, "torch_compile")
+    run = compiled({"n": 4}, bench.make_inputs({"n": 4}, torch.float32, "cpu"))
     assert callable(run) and inductor_config.compile_threads == 1
 
 
