@@ -6,9 +6,9 @@
 ``SPEC.json`` names the op and its variants, each a list of text substitutions in the op's module
 (``src/onca/ops/<op>.py``)::
 
-    {"op": "cross_entropy",
-     "variants": {"minus_inf_loads": [["other=0.0, eviction_policy", "other=float('-inf'), ..."]],
-                  "half_tiles": [["fp32_tiles=4, gpu_whole_two_pass=True)", "fp32_tiles=4)"]]}}
+    {"op": "modulated_rms_norm",
+     "variants": {"tile_4096": [["GPU_BACKWARD_TILE = 8192", "GPU_BACKWARD_TILE = 4096"]],
+                  "tile_16384": [["GPU_BACKWARD_TILE = 8192", "GPU_BACKWARD_TILE = 16384"]]}}
 
 (``"module"``, optional, names another module: fused linear cross entropy's variants of the
 cross-entropy kernel are substitutions in ``onca.ops.cross_entropy``.)
@@ -26,9 +26,8 @@ take turns for ``--rounds`` rounds, each keeping its fastest ``do_bench`` median
 timed call, the interpreter's; for checking a spec, not for timing), printed with the base's time
 over each (above 1: faster than the base). A point small enough for Onca's small-call route runs
 torch's op instead of the kernels (reported; ``ONCA_SMALL_CALL_LIMIT=0`` turns the route off).
-Before timing, every variant's
-outputs and input gradients from fresh inputs are compared with the base's: bitwise equal, or the
-largest absolute difference. Names another module imported from the op's module (``from ... import
+Before timing, every variant's outputs and input gradients from fresh inputs are compared with the
+base's: bitwise equal, or the largest absolute difference. Names another module imported from the op's module (``from ... import
 _kernel``) keep the base's object: substitute in that module instead.
 """
 
