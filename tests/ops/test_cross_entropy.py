@@ -554,9 +554,10 @@ def test_token_accuracy_and_predicted_tokens(profile, device, dtype, reduction):
     assert out.token_accuracy.dtype == torch.float32
     torch.testing.assert_close(out.token_accuracy, accuracy, rtol=0, atol=1e-6)
     assert 0 < accuracy.sum() and not out.token_accuracy.requires_grad
-    # The loss and its gradient are those without the metrics.
+    # The loss is the one without the metrics, to the rounding of the wider column tile a launch
+    # carrying them takes on a GPU (OPTION_TILES: another fp32 summation order).
     loss = cross_entropy(leaf(logits), target, reduction=reduction)
-    assert torch.equal(out.loss, loss)
+    torch.testing.assert_close(out.loss, loss)
     out.loss.sum().backward()
     assert torch.isfinite(x.grad).all()
 

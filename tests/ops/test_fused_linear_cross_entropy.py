@@ -596,7 +596,7 @@ def test_token_accuracy_and_predicted_tokens(profile, device, dtype, reduction):
     torch.testing.assert_close(out.token_accuracy, accuracy, rtol=0, atol=1e-6)
     assert 0.2 < accuracy.mean() < 1.0
     plain = fused_linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_tokens=CHUNK, softcap=30.0)
-    assert torch.equal(out.loss, plain)
+    torch.testing.assert_close(out.loss, plain)  # to the rounding of the metrics' wider tile on a GPU
     out.loss.sum().backward()
     assert torch.isfinite(hk.grad).all()
 
