@@ -20,7 +20,8 @@ are NaN (checked in the kernel, with no host synchronisation), so the loss shows
 
 The same pass finds each token's argmax (the first maximal class of the soft-capped logits) when
 the token accuracy or the predicted tokens are asked for: liger-kernel's metrics, with no
-gradient. Fused linear cross entropy's token scaling multiplies ``loss_i`` and its gradient by
+gradient. On a GPU such a launch takes a wider column tile than plain rows (see ``TILES``), so its
+loss may differ from the plain call's in the last bits (another fp32 summation order). Fused linear cross entropy's token scaling multiplies ``loss_i`` and its gradient by
 ``softmax(z)_y``, a constant per token.
 
 Gradient (per token, before the reduction's scales ``s`` of the cross-entropy part, ``s_z`` of
