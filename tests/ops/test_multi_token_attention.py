@@ -125,6 +125,45 @@ def test_column_tiled_rows(device, onchip_bytes, sparse):
     check(*inputs(1, 1, 17, 1, 3, torch.float32, device, std=3.0), sparse=sparse, padding=1)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "unaligned_channels", "other_device"])
+def test_layouts(device, monkeypatch, layout):
+    """The convolution's operands channels-last (channels per group a multiple of 8 on CUDA or the
+    CPU) or NCHW (other channel counts, other devices): the same values either way, the
+    probabilities kept in that layout, the output and the gradient of the scores NCHW; scores that
+    are a strided view (not contiguous) are read as they are."""
+    if layout == "other_device":
+        monkeypatch.setattr(op, "CHANNELS_LAST_DEVICES", ())
+    channels = 3 if layout == "unaligned_channels" else 8
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    scores, weight, bias = inputs(2, channels, 7, 8, 3, torch.float32, device)
+    strided = scores.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, column-major
+    assert not strided.is_contiguous()
+    check(strided, weight, bias, padding=1)
+    out, probs = op.multi_token_attention_forward(scores, weight, bias, [1, 1], [1, 1], [1, 1], 1, False)
+    assert probs.is_contiguous(memory_format=fmt) and out.is_contiguous()
+    assert probs.is_contiguous() == (layout != "channels_last")
+
+
+def test_conv_memory_format_rule():
+    cuda, other = torch.device("cuda"), torch.device("meta")  # meta: a device type not in the list
+    assert op.conv_memory_format(cuda, (32, 32, 3, 3), 1) == torch.channels_last
+    assert op.conv_memory_format(cuda, (16, 8, 3, 3), 2) == torch.channels_last  # 8 in, 8 out a group
+    assert op.conv_memory_format(cuda, (28, 28, 3, 3), 1) == torch.contiguous_format  # cuDNN pads 28
+    assert op.conv_memory_format(cuda, (8, 4, 3, 3), 2) == torch.contiguous_format  # 4 in a group
+    assert op.conv_memory_format(other, (32, 32, 3, 3), 1) == torch.contiguous_format
+
+
+def test_channel_blocks(device, onchip_bytes):
+    """More channels than a tile's rows, channels-last: every channel block of every (batch, query)
+    pair, the last one partly masked where the rows do not divide the channels."""
+    forced = onchip_bytes(8192)
+    block_rows = op.plan((1, 24, 9, 9), torch.float32, forced)["activation_forward"].block_rows
+    assert block_rows < 24
+    if forced.kind != "cuda":  # the GPU rule may give 8 rows, which divide 24
+        assert 24 % block_rows
+    check(*inputs(2, 24, 9, 8, 3, torch.float32, device), padding=1)
+
+
 def test_sparsemax_rows_sum_to_one(device):
     scores = randn(2, 2, 17, 17, device=device, std=3.0)
     weight = torch.zeros(2, 2, 1, 1, device=device)

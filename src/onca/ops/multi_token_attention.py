@@ -12,11 +12,16 @@ with ``mask_{-inf}`` the causal mask (key ``j > `` query ``i`` set to minus infi
 its diagonal (column > row).
 
 Kernels: the masked row activation (forward and backward) is Onca's Triton kernel over the
-``B * C_in * L`` rows of the score matrix, one or more rows per tile with the causal mask fused (the
-masked columns are never loaded), online over column tiles where a row does not fit one tile;
-the output mask is a Triton kernel applied in place to the convolution's output (and, out of place,
-to the incoming gradient). The convolution and its two gradients are torch's (cuDNN on a GPU: a
-matmul-bound part Onca does not re-implement), all inside the custom ops.
+``B * C_in * L`` rows of the score matrix, a tile being a block of channels of one ``(batch, query)``
+pair, with the causal mask fused (the masked columns are never loaded), online over column tiles
+where a row does not fit one tile. The convolution and its two gradients are torch's (cuDNN on a GPU:
+a matmul-bound part Onca does not re-implement), all inside the custom ops, on channels-last operands
+where the channels per group are multiples of 8 (:func:`conv_memory_format`): cuDNN's kernels are
+NHWC, and NCHW operands cost a layout conversion each way. The kernels take any strides, so the layout changes inside passes that are made
+anyway: the forward activation reads the NCHW scores and writes channels-last probabilities; the
+output mask (with the bias added) reads the convolution's channels-last output and writes the NCHW
+output; backward, the mask writes the incoming gradient channels-last, and the activation's backward
+reads the channels-last gradient of the probabilities and writes the NCHW gradient of the scores.
 
 Sparsemax (Martins & Astudillo, 2016): ``p = max(z - tau, 0)`` with ``tau`` such that ``p`` sums to
 1. The kernel finds ``tau`` without sorting: bisection on ``[max(z) - 1, max(z)]`` (where
@@ -25,11 +30,13 @@ Sparsemax (Martins & Astudillo, 2016): ``p = max(z - tau, 0)`` with ``tau`` such
 support ``S = {p > 0}``, 0 elsewhere. Softmax's: ``dz = p * (g - sum(g * p))``. Both are computed in
 fp32 for every input dtype (liger-kernel's sparse path takes fp32 only).
 
-Saved for backward: the probabilities (``scores``' dtype, as the convolution reads them) and the
-convolution's weight; the masked scores are not kept.
+Saved for backward: the probabilities (``scores``' dtype and the convolution's layout, as the
+convolution reads them) and the convolution's weight; the masked scores are not kept.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +44,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
-from onca.ops._rows import as_rows
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
 
@@ -49,7 +55,8 @@ __all__ = ["multi_token_attention", "plan"]
 # Live tiles (input dtype, fp32) of each kernel.
 FORWARD_TILES = dict(live_tiles=2, fp32_tiles=3)  # scores, probs; z, e / the sparsemax terms, a temporary
 BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=4)  # dprobs, probs, dscores; their fp32 copies, a product
-MASK_TILES = dict(live_tiles=2, fp32_tiles=0)  # in, out
+# in, out; its column tiles are independent (no per-row state).
+OUTPUT_MASK_TILES = dict(live_tiles=2, fp32_tiles=0, row_state=False)
 # Bisection steps for sparsemax's threshold on an interval of width 1 (then two exact steps).
 SPARSEMAX_BISECTIONS = 24
 
@@ -58,11 +65,27 @@ SPARSEMAX_BISECTIONS = 24
 
 
 @triton.jit
-def _masked_row(x_rows, cols, row_mask, pos, n_cols):
+def _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS: tl.constexpr):
+    """Tile ``tile``'s ``(b, h)`` (int64 scalars) and its ``BLOCK_ROWS`` channels: a tile is a block of
+    channels of one ``(batch, row)`` pair, so that a channels-last tensor's tile is contiguous
+    along the channels while an NCHW one's rows are contiguous along the columns."""
+    bh = tile // n_channel_blocks
+    channels = (tile % n_channel_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    return (bh // height).to(tl.int64), (bh % height).to(tl.int64), channels
+
+
+@triton.jit
+def _rows(ptr, b, h, channels, s_b, s_c, s_h):
+    """The pointers to the tile rows' first columns: ``(BLOCK_ROWS, 1)``."""
+    return ptr + (b * s_b + h * s_h) + channels.to(tl.int64)[:, None] * s_c
+
+
+@triton.jit
+def _masked_row(x_rows, x_col_stride, cols, row_mask, pos, n_cols):
     """The fp32 tile of ``z`` with the causal mask: columns past the row's position, or past the
     end, are -inf (and never loaded)."""
-    mask = row_mask[:, None] & (cols[None, :] <= pos[:, None]) & (cols < n_cols)[None, :]
-    z = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mask = row_mask[:, None] & (cols[None, :] <= pos) & (cols < n_cols)[None, :]
+    z = tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask, z, float("-inf"))
 
 
@@ -81,27 +104,25 @@ def _support_sums(z, tau):
 @fast_launch
 @triton.jit
 def _causal_activation_forward_kernel(
-    x_ptr, p_ptr, n_rows, n_cols, x_row_stride, p_row_stride, seq_len,
+    x_ptr, p_ptr, n_tiles, n_channel_blocks, n_channels, height, n_cols,
+    x_sb, x_sc, x_sh, x_sw, p_sb, p_sc, p_sh, p_sw,
     SPARSE: tl.constexpr,
     BISECTIONS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
-    """Row ``r`` (query position ``r % seq_len``): the softmax / sparsemax of its columns up to its
-    position; 0 past it."""
+    """Row ``(b, c, h)``: the softmax / sparsemax of its columns up to its position ``h``; 0 past
+    it. Any strides on either side (the probabilities are written channels-last for cuDNN)."""
     pid = tl.program_id(0)
-    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, tl.num_programs(0)):
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_rows
-        pos = rows % seq_len
-        rows64 = rows.to(tl.int64)
-        x_rows = x_ptr + rows64[:, None] * x_row_stride
-        p_rows = p_ptr + rows64[:, None] * p_row_stride
+    for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
+        b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
+        row_mask = channels < n_channels
+        x_rows = _rows(x_ptr, b, pos, channels, x_sb, x_sc, x_sh)
+        p_rows = _rows(p_ptr, b, pos, channels, p_sb, p_sc, p_sh)
         if COL_TILES == 1:
-            z = _masked_row(x_rows, col_offsets, row_mask, pos, n_cols)
+            z = _masked_row(x_rows, x_sw, col_offsets, row_mask, pos, n_cols)
             # Column 0 is never masked on a real row: the max is finite there.
             m = tl.where(row_mask, tl.max(z, axis=1), 0.0)
             if SPARSE:
@@ -120,13 +141,13 @@ def _causal_activation_forward_kernel(
             else:
                 e = tl.exp(z - m[:, None])
                 p = e / tl.where(row_mask, tl.sum(e, axis=1), 1.0)[:, None]
-            tl.store(p_rows + col_offsets[None, :], p.to(p_ptr.dtype.element_ty),
+            tl.store(p_rows + col_offsets[None, :] * p_sw, p.to(p_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & (col_offsets < n_cols)[None, :])
         else:
             m = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
             den = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            for tile in range(COL_TILES):
-                z = _masked_row(x_rows, tile * BLOCK_COLS + col_offsets, row_mask, pos, n_cols)
+            for col_tile in range(COL_TILES):
+                z = _masked_row(x_rows, x_sw, col_tile * BLOCK_COLS + col_offsets, row_mask, pos, n_cols)
                 m_new = tl.maximum(m, tl.max(z, axis=1))
                 shift = tl.where(m_new == float("-inf"), 0.0, m_new)
                 if not SPARSE:
@@ -139,9 +160,9 @@ def _causal_activation_forward_kernel(
                 for _ in range(BISECTIONS):
                     mid = (lo + hi) * 0.5
                     acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-                    for tile in range(COL_TILES):
-                        acc += _relu_sum(_masked_row(x_rows, tile * BLOCK_COLS + col_offsets, row_mask, pos,
-                                                     n_cols), mid)
+                    for col_tile in range(COL_TILES):
+                        acc += _relu_sum(_masked_row(x_rows, x_sw, col_tile * BLOCK_COLS + col_offsets, row_mask,
+                                                     pos, n_cols), mid)
                     above = acc >= 1.0
                     lo = tl.where(above, mid, lo)
                     hi = tl.where(above, hi, mid)
@@ -149,29 +170,30 @@ def _causal_activation_forward_kernel(
                 for _ in range(2):
                     total = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
                     count = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-                    for tile in range(COL_TILES):
-                        t_sum, t_count = _support_sums(
-                            _masked_row(x_rows, tile * BLOCK_COLS + col_offsets, row_mask, pos, n_cols), tau)
+                    for col_tile in range(COL_TILES):
+                        t_sum, t_count = _support_sums(_masked_row(
+                            x_rows, x_sw, col_tile * BLOCK_COLS + col_offsets, row_mask, pos, n_cols), tau)
                         total += t_sum
                         count += t_count
                     tau = (total - 1.0) / tl.maximum(count, 1.0)
             else:
                 den = tl.where(row_mask, den, 1.0)
-            for tile in range(COL_TILES):
-                cols = tile * BLOCK_COLS + col_offsets
-                z = _masked_row(x_rows, cols, row_mask, pos, n_cols)
+            for col_tile in range(COL_TILES):
+                cols = col_tile * BLOCK_COLS + col_offsets
+                z = _masked_row(x_rows, x_sw, cols, row_mask, pos, n_cols)
                 if SPARSE:
                     p = tl.maximum(z - tau[:, None], 0.0)
                 else:
                     p = tl.exp(z - m[:, None]) / den[:, None]
-                tl.store(p_rows + cols[None, :], p.to(p_ptr.dtype.element_ty),
+                tl.store(p_rows + cols[None, :] * p_sw, p.to(p_ptr.dtype.element_ty),
                          mask=row_mask[:, None] & (cols < n_cols)[None, :])
 
 
 @fast_launch
 @triton.jit
 def _causal_activation_backward_kernel(
-    g_ptr, p_ptr, dx_ptr, n_rows, n_cols, g_row_stride, p_row_stride, dx_row_stride, seq_len,
+    g_ptr, p_ptr, dx_ptr, n_tiles, n_channel_blocks, n_channels, height, n_cols,
+    g_sb, g_sc, g_sh, g_sw, p_sb, p_sc, p_sh, p_sw, d_sb, d_sc, d_sh, d_sw,
     SPARSE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -180,23 +202,20 @@ def _causal_activation_backward_kernel(
     """softmax: ``dz = p * (g - sum(g * p))``; sparsemax: ``dz = g - mean(g over p > 0)`` where
     ``p > 0``; 0 past each row's position."""
     pid = tl.program_id(0)
-    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, tl.num_programs(0)):
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_rows
-        pos = rows % seq_len
-        rows64 = rows.to(tl.int64)
-        g_rows = g_ptr + rows64[:, None] * g_row_stride
-        p_rows = p_ptr + rows64[:, None] * p_row_stride
-        dx_rows = dx_ptr + rows64[:, None] * dx_row_stride
+    for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
+        b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
+        row_mask = channels < n_channels
+        g_rows = _rows(g_ptr, b, pos, channels, g_sb, g_sc, g_sh)
+        p_rows = _rows(p_ptr, b, pos, channels, p_sb, p_sc, p_sh)
+        dx_rows = _rows(dx_ptr, b, pos, channels, d_sb, d_sc, d_sh)
         total = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         count = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-        for tile in range(COL_TILES):
-            cols = tile * BLOCK_COLS + col_offsets
-            mask = row_mask[:, None] & (cols[None, :] <= pos[:, None]) & (cols < n_cols)[None, :]
-            g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            p = tl.load(p_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        for col_tile in range(COL_TILES):
+            cols = col_tile * BLOCK_COLS + col_offsets
+            mask = row_mask[:, None] & (cols[None, :] <= pos) & (cols < n_cols)[None, :]
+            g = tl.load(g_rows + cols[None, :] * g_sw, mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(p_rows + cols[None, :] * p_sw, mask=mask, other=0.0).to(tl.float32)
             if SPARSE:
                 total += tl.sum(tl.where(p > 0.0, g, 0.0), axis=1)
                 count += tl.sum((p > 0.0).to(tl.float32), axis=1)
@@ -204,82 +223,134 @@ def _causal_activation_backward_kernel(
                 total += tl.sum(g * p, axis=1)
         if SPARSE:
             total = total / tl.maximum(count, 1.0)
-        for tile in range(COL_TILES):
-            cols = tile * BLOCK_COLS + col_offsets
-            mask = row_mask[:, None] & (cols[None, :] <= pos[:, None]) & (cols < n_cols)[None, :]
-            g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            p = tl.load(p_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        for col_tile in range(COL_TILES):
+            cols = col_tile * BLOCK_COLS + col_offsets
+            mask = row_mask[:, None] & (cols[None, :] <= pos) & (cols < n_cols)[None, :]
+            g = tl.load(g_rows + cols[None, :] * g_sw, mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(p_rows + cols[None, :] * p_sw, mask=mask, other=0.0).to(tl.float32)
             if SPARSE:
                 dz = tl.where(p > 0.0, g - total[:, None], 0.0)
             else:
                 dz = p * (g - total[:, None])
-            tl.store(dx_rows + cols[None, :], dz.to(dx_ptr.dtype.element_ty),
+            tl.store(dx_rows + cols[None, :] * d_sw, dz.to(dx_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & (cols < n_cols)[None, :])
 
 
 @fast_launch
 @triton.jit
 def _upper_zero_kernel(
-    x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride, height,
+    x_ptr, bias_ptr, y_ptr, n_tiles, n_channel_blocks, n_channels, height, n_cols,
+    x_sb, x_sc, x_sh, x_sw, y_sb, y_sc, y_sh, y_sw,
+    HAS_BIAS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
 ):
-    """``y = x`` with the columns past each row's position (``row % height``) zeroed; ``y`` may be
-    ``x`` (in place: each element is read before it is written, by its own program only)."""
+    """``y = x (+ bias[c])`` with the columns past each row's position ``h`` zeroed, from any
+    layout into any layout (the forward's channels-last convolution output into the NCHW output,
+    the incoming gradient into channels-last for the convolution's gradients)."""
     pid = tl.program_id(0)
-    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, tl.num_programs(0)):
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_rows
-        pos = rows % height
-        rows64 = rows.to(tl.int64)
-        for tile in range(COL_TILES):
-            cols = tile * BLOCK_COLS + col_offsets
-            keep = row_mask[:, None] & (cols[None, :] <= pos[:, None]) & (cols < n_cols)[None, :]
-            x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=keep, other=0.0)
-            tl.store(y_ptr + rows64[:, None] * y_row_stride + cols[None, :], x,
+    for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
+        b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
+        row_mask = channels < n_channels
+        x_rows = _rows(x_ptr, b, pos, channels, x_sb, x_sc, x_sh)
+        y_rows = _rows(y_ptr, b, pos, channels, y_sb, y_sc, y_sh)
+        if HAS_BIAS:
+            shift = tl.load(bias_ptr + channels, mask=row_mask, other=0.0).to(tl.float32)
+        for col_tile in range(COL_TILES):
+            cols = col_tile * BLOCK_COLS + col_offsets
+            keep = row_mask[:, None] & (cols[None, :] <= pos) & (cols < n_cols)[None, :]
+            x = tl.load(x_rows + cols[None, :] * x_sw, mask=keep, other=0.0)
+            if HAS_BIAS:
+                x = tl.where(keep, x.to(tl.float32) + shift[:, None], 0.0)
+            tl.store(y_rows + cols[None, :] * y_sw, x.to(y_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & (cols < n_cols)[None, :])
 
 
 # --------------------------------------------------------------------------------------- launchers
 
+# Device types whose convolutions may run on channels-last tensors: cuDNN's convolutions are NHWC
+# kernels, which convert NCHW operands on every call (measured on an H200 for (1, 32, 1024, 1024)
+# bf16: 9 layout conversions, 418 of 1184 us a step), and the CPU's oneDNN takes both. Elsewhere
+# (torch_npu's convolutions are not measured) the tensors stay NCHW; the kernels take any strides.
+CHANNELS_LAST_DEVICES = ("cuda", "cpu")
+# Channels (per group, in and out) a multiple of this: cuDNN's NHWC tensor-core kernels take them as
+# they are; other counts are padded on every call (an H200, 3 x 3 bf16 convolution forward +
+# backward at L 1024, NCHW / channels-last time: 8 channels 2.99, 16 1.68, 24 1.62, 32 1.70, 48
+# 1.74, 64 2.00; 28 channels 0.92 and 12 0.88, where cuDNN pads; 4 channels 1.02).
+CHANNELS_LAST_MULTIPLE = 8
+# Rows (channels) per tile on a GPU when a channels-last tensor is read or written: 16 bf16 channels
+# are one 32-byte sector.
+CHANNELS_LAST_GPU_ROWS = 16
+
+
+def conv_memory_format(device: torch.device, weight_shape, groups: int) -> torch.memory_format:
+    """The memory format of the convolution's operands: channels-last on the devices of
+    CHANNELS_LAST_DEVICES where the channels per group (``weight_shape`` ``(C_out, C_in // groups,
+    kH, kW)``) are multiples of CHANNELS_LAST_MULTIPLE, else NCHW."""
+    c_out, c_in_per_group = int(weight_shape[0]), int(weight_shape[1])
+    aligned = c_in_per_group % CHANNELS_LAST_MULTIPLE == 0 and (c_out // groups) % CHANNELS_LAST_MULTIPLE == 0
+    return torch.channels_last if aligned and device.type in CHANNELS_LAST_DEVICES else torch.contiguous_format
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _row_plan(shape, dtype: torch.dtype, tiles: dict, profile: DeviceProfile | None = None,
+              channels_last: bool = True) -> RowPlan:
+    """The plan of a row kernel over a 4-D ``shape`` ``(B, C, H, W)``: its rows ``(b, c, h)`` in tiles
+    of channels of one ``(batch, row)`` pair (no more than the channels, rounded up to a power of two;
+    at least CHANNELS_LAST_GPU_ROWS of them on a GPU where a channels-last tensor is read or written)."""
+    return _cached_row_plan(tuple(int(s) for s in shape), dtype, tuple(sorted(tiles.items())),
+                            profile or get_profile(), channels_last)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_row_plan(shape: tuple, dtype: torch.dtype, tiles: tuple, profile: DeviceProfile,
+                     channels_last: bool) -> RowPlan:
+    # Cached: the launchers ask on every call, and planning costs tens of microseconds of host time.
+    batch, channels, height, width = shape
+    return plan_rows(batch * channels * height, width, dtype, profile=profile, **dict(tiles),
+                     max_block_rows=_pow2(channels),
+                     min_gpu_rows=min(CHANNELS_LAST_GPU_ROWS, _pow2(channels)) if channels_last else None)
+
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
-    """The row kernels' plans for ``scores`` of ``shape`` ``(B, C_in, L, L)`` (the output mask's plan
-    is that of an output of the same shape)."""
-    *lead, seq, width = (int(s) for s in shape)
-    rows = seq
-    for s in lead:
-        rows *= s
+    """The row kernels' plans for ``scores`` of ``shape`` ``(B, C_in, L, L)`` on channels-last
+    convolutions (the output mask's plan is that of an output of the same shape)."""
     return {
-        "activation_forward": plan_rows(rows, width, dtype, profile=profile, **FORWARD_TILES),
-        "activation_backward": plan_rows(rows, width, dtype, profile=profile, **BACKWARD_TILES),
-        "output_mask": plan_rows(rows, width, dtype, profile=profile, **MASK_TILES),
+        "activation_forward": _row_plan(shape, dtype, FORWARD_TILES, profile),
+        "activation_backward": _row_plan(shape, dtype, BACKWARD_TILES, profile),
+        "output_mask": _row_plan(shape, dtype, OUTPUT_MASK_TILES, profile),
     }
 
 
-def _launch(kernel, tiles, rows2d_shape, dtype, *args, **constexprs) -> None:
-    rows, cols = rows2d_shape
-    p = plan_rows(rows, cols, dtype, **tiles)
-    kernel[(p.grid,)](*args, BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-                      num_warps=p.num_warps, **constexprs)
-
-
-def _upper_zero(x: Tensor, out: Tensor) -> None:
-    """``out = x`` with the positions above each matrix's diagonal zeroed (``x``, ``out`` 4-D)."""
-    height = x.shape[-2]
-    x2, o2 = as_rows(x), out.view(-1, out.shape[-1])
-    rows, cols = o2.shape
-    if rows == 0 or cols == 0:
+def _launch(kernel, tiles, tensors, *args, **constexprs) -> None:
+    """``kernel`` over the rows of ``tensors`` (4-D, one shape, the first's dtype), each passed with
+    its four strides after ``args``."""
+    batch, channels, height, width = shape = tensors[0].shape
+    if batch * channels * height * width == 0:
         return
-    _launch(_upper_zero_kernel, MASK_TILES, (rows, cols), x.dtype,
-            x2, o2, rows, cols, x2.stride(0), o2.stride(0), height)
+    channels_last = any(t.stride(1) == 1 and channels > 1 for t in tensors)
+    p = _row_plan(shape, tensors[0].dtype, tiles, channels_last=channels_last)
+    n_channel_blocks = -(-channels // p.block_rows)
+    n_tiles = batch * height * n_channel_blocks
+    strides = [s for t in tensors for s in t.stride()]
+    kernel[(min(p.grid, n_tiles),)](*args, n_tiles, n_channel_blocks, channels, height, width, *strides,
+                                    BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+                                    num_warps=p.num_warps, **constexprs)
+
+
+def _upper_zero(x: Tensor, out: Tensor, bias: Tensor | None = None) -> None:
+    """``out = x (+ bias)`` with the positions above each matrix's diagonal zeroed (4-D, one shape)."""
+    _launch(_upper_zero_kernel, OUTPUT_MASK_TILES, (x, out), x,
+            bias if bias is not None else x, out, HAS_BIAS=bias is not None)
 
 
 def _conv_args(stride, padding, dilation, groups) -> dict:
-    return dict(stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation), groups=groups)
+    return dict(stride=list(stride), padding=list(padding), dilation=list(dilation), groups=groups)
 
 
 @custom_op("multi_token_attention_forward")
@@ -287,51 +358,50 @@ def multi_token_attention_forward(scores: Tensor, weight: Tensor, bias: Tensor |
                                   padding: list[int], dilation: list[int], groups: int,
                                   sparse: bool) -> tuple[Tensor, Tensor]:
     """``(out, probs)`` for 4-D ``scores`` ``(B, C_in, L, L)``: the causal softmax / sparsemax
-    ``probs`` (``scores``' dtype, contiguous) and the masked convolution ``out``."""
-    x2 = as_rows(scores)
-    rows, width = x2.shape
-    probs = torch.empty(scores.shape, dtype=scores.dtype, device=scores.device)
-    if rows:
-        p2 = probs.view(rows, width)
-        _launch(_causal_activation_forward_kernel, FORWARD_TILES, (rows, width), scores.dtype,
-                x2, p2, rows, width, x2.stride(0), p2.stride(0), scores.shape[-2],
-                SPARSE=sparse, BISECTIONS=SPARSEMAX_BISECTIONS)
-    out = F.conv2d(probs, weight, bias, **_conv_args(stride, padding, dilation, groups)).contiguous()
-    _upper_zero(out, out)
+    ``probs`` (``scores``' dtype, in :func:`conv_memory_format`) and the masked convolution ``out``
+    (contiguous), the bias added by the mask's kernel."""
+    layout = conv_memory_format(scores.device, weight.shape, groups)
+    probs = torch.empty(scores.shape, dtype=scores.dtype, device=scores.device, memory_format=layout)
+    _launch(_causal_activation_forward_kernel, FORWARD_TILES, (scores, probs), scores, probs,
+            SPARSE=sparse, BISECTIONS=SPARSEMAX_BISECTIONS)
+    conv = _conv_args(stride, padding, dilation, groups)
+    conv_out = F.conv2d(probs, weight.contiguous(memory_format=layout), None, **conv)
+    out = torch.empty(conv_out.shape, dtype=conv_out.dtype, device=conv_out.device)
+    _upper_zero(conv_out, out, bias)
     return out, probs
 
 
 @multi_token_attention_forward.register_fake
 def _(scores, weight, bias, stride, padding, dilation, groups, sparse):
     out = F.conv2d(scores, weight, bias, **_conv_args(stride, padding, dilation, groups))
-    return torch.empty_like(out, memory_format=torch.contiguous_format), torch.empty_like(
-        scores, memory_format=torch.contiguous_format)
+    probs = torch.empty_like(scores, memory_format=conv_memory_format(scores.device, weight.shape, groups))
+    return torch.empty_like(out, memory_format=torch.contiguous_format), probs
 
 
 @custom_op("multi_token_attention_backward")
 def multi_token_attention_backward(grad_out: Tensor, probs: Tensor, weight: Tensor, stride: list[int],
                                    padding: list[int], dilation: list[int], groups: int, sparse: bool,
                                    has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dscores, dweight, dbias)``; ``dbias`` empty without a bias."""
+    """``(dscores, dweight, dbias)``; ``dbias`` empty without a bias. The masked incoming gradient is
+    written in the probabilities' layout, and both convolution gradients come from one call."""
     conv = _conv_args(stride, padding, dilation, groups)
-    grad_conv = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
+    layout = conv_memory_format(probs.device, weight.shape, groups)
+    grad_conv = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=layout)
     _upper_zero(grad_out, grad_conv)
-    grad_probs = torch.nn.grad.conv2d_input(probs.shape, weight, grad_conv, **conv)
-    grad_weight = torch.nn.grad.conv2d_weight(probs, weight.shape, grad_conv, **conv)
-    grad_bias = grad_conv.sum(dim=(0, 2, 3)) if has_bias else probs.new_empty(0)
-    g2, p2 = as_rows(grad_probs), probs.view(-1, probs.shape[-1])
-    rows, width = p2.shape
+    grad_probs, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+        grad_conv, probs, weight.contiguous(memory_format=layout), [weight.shape[0]] if has_bias else None,
+        conv["stride"], conv["padding"], conv["dilation"], False, [0, 0], groups, [True, True, has_bias])
     grad_scores = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
-    if rows:
-        d2 = grad_scores.view(rows, width)
-        _launch(_causal_activation_backward_kernel, BACKWARD_TILES, (rows, width), probs.dtype,
-                g2, p2, d2, rows, width, g2.stride(0), p2.stride(0), d2.stride(0), probs.shape[-2], SPARSE=sparse)
-    return grad_scores, grad_weight, grad_bias
+    _launch(_causal_activation_backward_kernel, BACKWARD_TILES, (grad_probs, probs, grad_scores),
+            grad_probs, probs, grad_scores, SPARSE=sparse)
+    return (grad_scores, grad_weight.contiguous(),
+            grad_bias if has_bias else probs.new_empty(0))
 
 
 @multi_token_attention_backward.register_fake
 def _(grad_out, probs, weight, stride, padding, dilation, groups, sparse, has_bias):
-    return (torch.empty_like(probs), torch.empty_like(weight, memory_format=torch.contiguous_format),
+    return (torch.empty_like(probs, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format),
             probs.new_empty(weight.shape[0] if has_bias else 0))
 
 

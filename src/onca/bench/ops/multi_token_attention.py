@@ -72,7 +72,8 @@ def memory_estimate(p, dtype, provider, mode):
     square = p["batch"] * p["heads"] * p["seq"] ** 2 * itemsize(dtype)
     mask = p["seq"] ** 2
     if provider == "onca":
-        live = {"forward": 3, "backward": 5, "full": 6}[mode]  # scores, probs, out (+ dout, masked dout, grads)
+        # scores, probs, the convolution's channels-last output, out (+ dout, masked dout, grads)
+        live = {"forward": 4, "backward": 5, "full": 6}[mode]
     elif provider == "liger":
         live = {"forward": 4, "backward": 7, "full": 8}[mode]  # also the masked scores, kept for backward
     elif provider == "torch":
