@@ -14,14 +14,15 @@ its diagonal (column > row).
 Kernels: the masked row activation (forward and backward) is Onca's Triton kernel over the
 ``B * C_in * L`` rows of the score matrix, a tile being a block of channels of one ``(batch, query)``
 pair, with the causal mask fused (the masked columns are never loaded), online over column tiles
-where a row does not fit one tile. The convolution and its two gradients are torch's (cuDNN on a GPU:
-a matmul-bound part Onca does not re-implement), all inside the custom ops, on channels-last operands
-where the channels per group are multiples of 8 (:func:`conv_memory_format`): cuDNN's kernels are
-NHWC, and NCHW operands cost a layout conversion each way. The kernels take any strides, so the layout changes inside passes that are made
-anyway: the forward activation reads the NCHW scores and writes channels-last probabilities; the
-output mask (with the bias added) reads the convolution's channels-last output and writes the NCHW
-output; backward, the mask writes the incoming gradient channels-last, and the activation's backward
-reads the channels-last gradient of the probabilities and writes the NCHW gradient of the scores.
+where a row does not fit one tile. The convolution and its two gradients are torch's (cuDNN on a
+GPU: a matmul-bound part Onca does not re-implement), all inside the custom ops, on channels-last
+operands where the channels per group are multiples of 8 (:func:`conv_memory_format`): cuDNN's
+kernels are NHWC, and NCHW operands cost a layout conversion each way. The kernels take any strides,
+so the layout changes inside passes that are made anyway: the forward activation reads the NCHW
+scores and writes channels-last probabilities; the output mask (with the bias added) reads the
+convolution's channels-last output and writes the NCHW output; backward, the mask writes the
+incoming gradient channels-last, and the activation's backward reads the channels-last gradient of
+the probabilities and writes the NCHW gradient of the scores.
 
 Sparsemax (Martins & Astudillo, 2016): ``p = max(z - tau, 0)`` with ``tau`` such that ``p`` sums to
 1. The kernel finds ``tau`` without sorting: bisection on ``[max(z) - 1, max(z)]`` (where
@@ -161,8 +162,8 @@ def _causal_activation_forward_kernel(
                     mid = (lo + hi) * 0.5
                     acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
                     for col_tile in range(COL_TILES):
-                        acc += _relu_sum(_masked_row(x_rows, x_sw, col_tile * BLOCK_COLS + col_offsets, row_mask,
-                                                     pos, n_cols), mid)
+                        cols = col_tile * BLOCK_COLS + col_offsets
+                        acc += _relu_sum(_masked_row(x_rows, x_sw, cols, row_mask, pos, n_cols), mid)
                     above = acc >= 1.0
                     lo = tl.where(above, mid, lo)
                     hi = tl.where(above, hi, mid)
@@ -291,7 +292,8 @@ def conv_memory_format(device: torch.device, weight_shape, groups: int) -> torch
     kH, kW)``) are multiples of CHANNELS_LAST_MULTIPLE, else NCHW."""
     c_out, c_in_per_group = int(weight_shape[0]), int(weight_shape[1])
     aligned = c_in_per_group % CHANNELS_LAST_MULTIPLE == 0 and (c_out // groups) % CHANNELS_LAST_MULTIPLE == 0
-    return torch.channels_last if aligned and device.type in CHANNELS_LAST_DEVICES else torch.contiguous_format
+    channels_last = aligned and device.type in CHANNELS_LAST_DEVICES
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def _pow2(n: int) -> int:
@@ -386,7 +388,8 @@ def multi_token_attention_backward(grad_out: Tensor, probs: Tensor, weight: Tens
     written in the probabilities' layout, and both convolution gradients come from one call."""
     conv = _conv_args(stride, padding, dilation, groups)
     layout = conv_memory_format(probs.device, weight.shape, groups)
-    grad_conv = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=layout)
+    grad_conv = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device,
+                            memory_format=layout)
     _upper_zero(grad_out, grad_conv)
     grad_probs, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
         grad_conv, probs, weight.contiguous(memory_format=layout), [weight.shape[0]] if has_bias else None,
