@@ -205,10 +205,12 @@ def test_bad_input(device):
         multi_token_attention(s.long(), w)
 
 
-def test_op_contract(device):
-    scores = randn(1, 2, 6, 6, dtype=torch.bfloat16, device=device).requires_grad_()
-    weight = randn(2, 2, 3, 3, dtype=torch.bfloat16, device=device, std=0.5).requires_grad_()
-    bias = randn(2, dtype=torch.bfloat16, device=device).requires_grad_()
+@pytest.mark.parametrize("channels", [2, 8], ids=["nchw", "channels_last"])
+def test_op_contract(device, channels):
+    """Both layouts: the fake implementations give the probabilities' channels-last strides too."""
+    scores = randn(1, channels, 6, 6, dtype=torch.bfloat16, device=device).requires_grad_()
+    weight = randn(channels, channels, 3, 3, dtype=torch.bfloat16, device=device, std=0.5).requires_grad_()
+    bias = randn(channels, dtype=torch.bfloat16, device=device).requires_grad_()
     fn = lambda s, w, b: multi_token_attention(s, w, b, padding=1, sparse=True)  # noqa: E731
     assert_op_contract(fn, (scores, weight, bias), expect_ops={"multi_token_attention_forward",
                                                                "multi_token_attention_backward"})
