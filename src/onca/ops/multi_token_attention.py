@@ -273,7 +273,8 @@ def _upper_zero_kernel(
 
 # Device types whose convolutions may run on channels-last tensors: cuDNN's convolutions are NHWC
 # kernels, which convert NCHW operands on every call (measured on an H200 for (1, 32, 1024, 1024)
-# bf16: 9 layout conversions, 418 of 1184 us a step), and the CPU's oneDNN takes both. Elsewhere
+# bf16: 9 layout conversions, 418 of 1184 us a step). The CPU's oneDNN takes either layout (not
+# timed): the CPU is listed so that CI's interpreter runs take the layout GPUs take. Elsewhere
 # (torch_npu's convolutions are not measured) the tensors stay NCHW; the kernels take any strides.
 CHANNELS_LAST_DEVICES = ("cuda", "cpu")
 # Channels (per group, in and out) a multiple of this: cuDNN's NHWC tensor-core kernels take them as
