@@ -125,32 +125,37 @@ def test_column_tiled_rows(device, onchip_bytes, sparse):
     check(*inputs(1, 1, 17, 1, 3, torch.float32, device, std=3.0), sparse=sparse, padding=1)
 
 
-@pytest.mark.parametrize("layout", ["channels_last", "unaligned_channels", "other_device"])
+@pytest.mark.parametrize("layout", ["channels_last", "padded", "unaligned", "other_device"])
 def test_layouts(device, monkeypatch, layout):
-    """The convolution's operands channels-last (channels per group a multiple of 8 on CUDA or the
-    CPU) or NCHW (other channel counts, other devices): the same values either way, the
-    probabilities kept in that layout, the output and the gradient of the scores NCHW; scores that
-    are a strided view (not contiguous) are read as they are."""
+    """The convolution's operands channels-last (channels per group a multiple of 8, or padded to one
+    with zeros, on CUDA or the CPU) or NCHW (channels too few to pad, other devices): the same
+    values either way, the probabilities kept in that layout (the padding zero), the output and the
+    gradients NCHW and unpadded; scores that are a strided view (not contiguous) are read as they
+    are."""
     if layout == "other_device":
         monkeypatch.setattr(op, "CHANNELS_LAST_DEVICES", ())
-    channels = 3 if layout == "unaligned_channels" else 8
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    scores, weight, bias = inputs(2, channels, 7, 8, 3, torch.float32, device)
+    channels, c_out, kept = {"padded": (12, 6, 16), "unaligned": (3, 6, 3)}.get(layout, (8, 8, 8))
+    fmt = torch.contiguous_format if layout in ("unaligned", "other_device") else torch.channels_last
+    scores, weight, bias = inputs(2, channels, 7, c_out, 3, torch.float32, device)
     strided = scores.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, column-major
     assert not strided.is_contiguous()
     check(strided, weight, bias, padding=1)
     out, probs = op.multi_token_attention_forward(scores, weight, bias, [1, 1], [1, 1], [1, 1], 1, False)
-    assert probs.is_contiguous(memory_format=fmt) and out.is_contiguous()
-    assert probs.is_contiguous() == (layout != "channels_last")
+    assert probs.shape == (2, kept, 7, 7) and probs.is_contiguous(memory_format=fmt)
+    assert probs.is_contiguous() == (fmt == torch.contiguous_format) and out.is_contiguous()
+    assert out.shape == (2, c_out, 7, 7) and torch.equal(probs[:, channels:], torch.zeros_like(probs[:, channels:]))
 
 
-def test_conv_memory_format_rule():
+def test_conv_layout_rule():
     cuda, other = torch.device("cuda"), torch.device("meta")  # meta: a device type not in the list
-    assert op.conv_memory_format(cuda, (32, 32, 3, 3), 1) == torch.channels_last
-    assert op.conv_memory_format(cuda, (16, 8, 3, 3), 2) == torch.channels_last  # 8 in, 8 out a group
-    assert op.conv_memory_format(cuda, (28, 28, 3, 3), 1) == torch.contiguous_format  # cuDNN pads 28
-    assert op.conv_memory_format(cuda, (8, 4, 3, 3), 2) == torch.contiguous_format  # 4 in a group
-    assert op.conv_memory_format(other, (32, 32, 3, 3), 1) == torch.contiguous_format
+    last, nchw = torch.channels_last, torch.contiguous_format
+    assert op.conv_layout(cuda, (32, 32, 3, 3), 1) == (last, 32, 32)
+    assert op.conv_layout(cuda, (16, 8, 3, 3), 2) == (last, 16, 16)  # 8 in, 8 out a group
+    assert op.conv_layout(cuda, (28, 28, 3, 3), 1) == (last, 32, 32)  # padded: 1.31x the work
+    assert op.conv_layout(cuda, (12, 12, 3, 3), 1) == (last, 16, 16)  # 1.78x
+    assert op.conv_layout(cuda, (4, 4, 3, 3), 1) == (nchw, 4, 4)  # 4x: not padded
+    assert op.conv_layout(cuda, (12, 6, 3, 3), 2) == (nchw, 12, 12)  # groups: not padded
+    assert op.conv_layout(other, (32, 32, 3, 3), 1) == (nchw, 32, 32)
 
 
 def test_channel_blocks(device, onchip_bytes):
@@ -205,9 +210,10 @@ def test_bad_input(device):
         multi_token_attention(s.long(), w)
 
 
-@pytest.mark.parametrize("channels", [2, 8], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("channels", [2, 8, 12], ids=["nchw", "channels_last", "padded"])
 def test_op_contract(device, channels):
-    """Both layouts: the fake implementations give the probabilities' channels-last strides too."""
+    """Every layout: the fake implementations give the probabilities' channels-last strides and
+    padded channels too."""
     scores = randn(1, channels, 6, 6, dtype=torch.bfloat16, device=device).requires_grad_()
     weight = randn(channels, channels, 3, 3, dtype=torch.bfloat16, device=device, std=0.5).requires_grad_()
     bias = randn(channels, dtype=torch.bfloat16, device=device).requires_grad_()

@@ -16,13 +16,13 @@ Kernels: the masked row activation (forward and backward) is Onca's Triton kerne
 pair, with the causal mask fused (the masked columns are never loaded), online over column tiles
 where a row does not fit one tile. The convolution and its two gradients are torch's (cuDNN on a
 GPU: a matmul-bound part Onca does not re-implement), all inside the custom ops, on channels-last
-operands where the channels per group are multiples of 8 (:func:`conv_memory_format`): cuDNN's
-kernels are NHWC, and NCHW operands cost a layout conversion each way. The kernels take any strides,
-so the layout changes inside passes that are made anyway: the forward activation reads the NCHW
-scores and writes channels-last probabilities; the output mask (with the bias added) reads the
-convolution's channels-last output and writes the NCHW output; backward, the mask writes the
-incoming gradient channels-last, and the activation's backward reads the channels-last gradient of
-the probabilities and writes the NCHW gradient of the scores.
+operands where the channels per group are multiples of 8, or are padded to them with zeros
+(:func:`conv_layout`): cuDNN's kernels are NHWC, and NCHW operands cost a layout conversion each
+way. The kernels take any strides, so the layout changes inside passes that are made anyway: the
+forward activation reads the NCHW scores and writes channels-last probabilities; the output mask
+(with the bias added) reads the convolution's channels-last output and writes the NCHW output;
+backward, the mask writes the incoming gradient channels-last, and the activation's backward reads
+the channels-last gradient of the probabilities and writes the NCHW gradient of the scores.
 
 Sparsemax (Martins & Astudillo, 2016): ``p = max(z - tau, 0)`` with ``tau`` such that ``p`` sums to
 1. The kernel finds ``tau`` without sorting: bisection on ``[max(z) - 1, max(z)]`` (where
@@ -31,8 +31,8 @@ Sparsemax (Martins & Astudillo, 2016): ``p = max(z - tau, 0)`` with ``tau`` such
 support ``S = {p > 0}``, 0 elsewhere. Softmax's: ``dz = p * (g - sum(g * p))``. Both are computed in
 fp32 for every input dtype (liger-kernel's sparse path takes fp32 only).
 
-Saved for backward: the probabilities (``scores``' dtype and the convolution's layout, as the
-convolution reads them) and the convolution's weight; the masked scores are not kept.
+Saved for backward: the probabilities (``scores``' dtype and the convolution's layout and padded
+channels, as the convolution reads them) and the convolution's weight; the masked scores are not kept.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _support_sums(z, tau):
 @fast_launch
 @triton.jit
 def _causal_activation_forward_kernel(
-    x_ptr, p_ptr, n_tiles, n_channel_blocks, n_channels, height, n_cols,
+    x_ptr, p_ptr, n_tiles, n_channel_blocks, n_channels, n_stored, height, n_cols,
     x_sb, x_sc, x_sh, x_sw, p_sb, p_sc, p_sh, p_sw,
     SPARSE: tl.constexpr,
     BISECTIONS: tl.constexpr,
@@ -114,12 +114,15 @@ def _causal_activation_forward_kernel(
     COL_TILES: tl.constexpr,
 ):
     """Row ``(b, c, h)``: the softmax / sparsemax of its columns up to its position ``h``; 0 past
-    it. Any strides on either side (the probabilities are written channels-last for cuDNN)."""
+    it. Any strides on either side (the probabilities are written channels-last for cuDNN); the
+    channels ``n_channels <= c < n_stored`` (the convolution's padding) are written as zeros (a
+    row with every score masked: ``p`` is 0 there)."""
     pid = tl.program_id(0)
     col_offsets = tl.arange(0, BLOCK_COLS)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
         b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
         row_mask = channels < n_channels
+        store_mask = channels < n_stored
         x_rows = _rows(x_ptr, b, pos, channels, x_sb, x_sc, x_sh)
         p_rows = _rows(p_ptr, b, pos, channels, p_sb, p_sc, p_sh)
         if COL_TILES == 1:
@@ -143,7 +146,7 @@ def _causal_activation_forward_kernel(
                 e = tl.exp(z - m[:, None])
                 p = e / tl.where(row_mask, tl.sum(e, axis=1), 1.0)[:, None]
             tl.store(p_rows + col_offsets[None, :] * p_sw, p.to(p_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & (col_offsets < n_cols)[None, :])
+                     mask=store_mask[:, None] & (col_offsets < n_cols)[None, :])
         else:
             m = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
             den = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -187,13 +190,13 @@ def _causal_activation_forward_kernel(
                 else:
                     p = tl.exp(z - m[:, None]) / den[:, None]
                 tl.store(p_rows + cols[None, :] * p_sw, p.to(p_ptr.dtype.element_ty),
-                         mask=row_mask[:, None] & (cols < n_cols)[None, :])
+                         mask=store_mask[:, None] & (cols < n_cols)[None, :])
 
 
 @fast_launch
 @triton.jit
 def _causal_activation_backward_kernel(
-    g_ptr, p_ptr, dx_ptr, n_tiles, n_channel_blocks, n_channels, height, n_cols,
+    g_ptr, p_ptr, dx_ptr, n_tiles, n_channel_blocks, n_channels, n_stored, height, n_cols,
     g_sb, g_sc, g_sh, g_sw, p_sb, p_sc, p_sh, p_sw, d_sb, d_sc, d_sh, d_sw,
     SPARSE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -207,6 +210,7 @@ def _causal_activation_backward_kernel(
     for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
         b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
         row_mask = channels < n_channels
+        store_mask = channels < n_stored
         g_rows = _rows(g_ptr, b, pos, channels, g_sb, g_sc, g_sh)
         p_rows = _rows(p_ptr, b, pos, channels, p_sb, p_sc, p_sh)
         dx_rows = _rows(dx_ptr, b, pos, channels, d_sb, d_sc, d_sh)
@@ -234,13 +238,13 @@ def _causal_activation_backward_kernel(
             else:
                 dz = p * (g - total[:, None])
             tl.store(dx_rows + cols[None, :] * d_sw, dz.to(dx_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & (cols < n_cols)[None, :])
+                     mask=store_mask[:, None] & (cols < n_cols)[None, :])
 
 
 @fast_launch
 @triton.jit
 def _upper_zero_kernel(
-    x_ptr, bias_ptr, y_ptr, n_tiles, n_channel_blocks, n_channels, height, n_cols,
+    x_ptr, bias_ptr, y_ptr, n_tiles, n_channel_blocks, n_channels, n_stored, height, n_cols,
     x_sb, x_sc, x_sh, x_sw, y_sb, y_sc, y_sh, y_sw,
     HAS_BIAS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -249,12 +253,14 @@ def _upper_zero_kernel(
 ):
     """``y = x (+ bias[c])`` with the columns past each row's position ``h`` zeroed, from any
     layout into any layout (the forward's channels-last convolution output into the NCHW output,
-    the incoming gradient into channels-last for the convolution's gradients)."""
+    the incoming gradient into channels-last for the convolution's gradients); the channels
+    ``n_channels <= c < n_stored`` are written as zeros."""
     pid = tl.program_id(0)
     col_offsets = tl.arange(0, BLOCK_COLS)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
         b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
         row_mask = channels < n_channels
+        store_mask = channels < n_stored
         x_rows = _rows(x_ptr, b, pos, channels, x_sb, x_sc, x_sh)
         y_rows = _rows(y_ptr, b, pos, channels, y_sb, y_sc, y_sh)
         if HAS_BIAS:
@@ -266,7 +272,7 @@ def _upper_zero_kernel(
             if HAS_BIAS:
                 x = tl.where(keep, x.to(tl.float32) + shift[:, None], 0.0)
             tl.store(y_rows + cols[None, :] * y_sw, x.to(y_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & (cols < n_cols)[None, :])
+                     mask=store_mask[:, None] & (cols < n_cols)[None, :])
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -278,23 +284,50 @@ def _upper_zero_kernel(
 # (torch_npu's convolutions are not measured) the tensors stay NCHW; the kernels take any strides.
 CHANNELS_LAST_DEVICES = ("cuda", "cpu")
 # Channels (per group, in and out) a multiple of this: cuDNN's NHWC tensor-core kernels take them as
-# they are; other counts are padded on every call (an H200, 3 x 3 bf16 convolution forward +
+# they are; other counts cuDNN pads on every call (an H200, 3 x 3 bf16 convolution forward +
 # backward at L 1024, NCHW / channels-last time: 8 channels 2.99, 16 1.68, 24 1.62, 32 1.70, 48
-# 1.74, 64 2.00; 28 channels 0.92 and 12 0.88, where cuDNN pads; 4 channels 1.02).
+# 1.74, 64 2.00; 28 channels 0.92 and 12 0.88, where cuDNN pads; 4 channels 1.02). Onca pads
+# instead, inside passes it makes anyway: with one group, the probabilities get zero channels up to
+# the multiple (written by the softmax kernel, as is the masked gradient's padding by the mask
+# kernel) and the weight zero rows and columns, where the padded convolution's work is at most
+# CHANNELS_LAST_MAX_PADDING times the unpadded one's (28 channels: 32 x 32 / 28 x 28 = 1.31; the
+# 32-channel convolution timed 0.573 ms against 28 channels' NCHW 1.132 above). Otherwise NCHW.
 CHANNELS_LAST_MULTIPLE = 8
+CHANNELS_LAST_MAX_PADDING = 2.0
 # Rows (channels) per tile on a GPU when a channels-last tensor is read or written: 16 bf16 channels
 # are one 32-byte sector.
 CHANNELS_LAST_GPU_ROWS = 16
 
 
-def conv_memory_format(device: torch.device, weight_shape, groups: int) -> torch.memory_format:
-    """The memory format of the convolution's operands: channels-last on the devices of
-    CHANNELS_LAST_DEVICES where the channels per group (``weight_shape`` ``(C_out, C_in // groups,
-    kH, kW)``) are multiples of CHANNELS_LAST_MULTIPLE, else NCHW."""
-    c_out, c_in_per_group = int(weight_shape[0]), int(weight_shape[1])
-    aligned = c_in_per_group % CHANNELS_LAST_MULTIPLE == 0 and (c_out // groups) % CHANNELS_LAST_MULTIPLE == 0
-    channels_last = aligned and device.type in CHANNELS_LAST_DEVICES
-    return torch.channels_last if channels_last else torch.contiguous_format
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def conv_layout(device: torch.device, weight_shape, groups: int) -> tuple[torch.memory_format, int, int]:
+    """``(memory format, C_in, C_out)`` of the convolution's operands, the channel counts padded
+    where CHANNELS_LAST_MULTIPLE says, for a weight of ``weight_shape`` ``(C_out, C_in // groups, kH,
+    kW)`` on ``device``: channels-last on CHANNELS_LAST_DEVICES when the channels per group are
+    multiples of CHANNELS_LAST_MULTIPLE or, with one group, once padded to them at a cost of at most
+    CHANNELS_LAST_MAX_PADDING; else NCHW, unpadded."""
+    c_out, c_in_group = int(weight_shape[0]), int(weight_shape[1])
+    c_in, nchw = c_in_group * groups, (torch.contiguous_format, c_in_group * groups, c_out)
+    if device.type not in CHANNELS_LAST_DEVICES:
+        return nchw
+    if c_in_group % CHANNELS_LAST_MULTIPLE == 0 and (c_out // groups) % CHANNELS_LAST_MULTIPLE == 0:
+        return torch.channels_last, c_in, c_out
+    padded_in, padded_out = _round_up(c_in, CHANNELS_LAST_MULTIPLE), _round_up(c_out, CHANNELS_LAST_MULTIPLE)
+    if groups == 1 and padded_in * padded_out <= CHANNELS_LAST_MAX_PADDING * c_in * c_out:
+        return torch.channels_last, padded_in, padded_out
+    return nchw
+
+
+def _padded_weight(weight: Tensor, layout: torch.memory_format, c_in: int, c_out: int) -> Tensor:
+    """``weight`` in ``layout``, with zero output rows and input columns up to ``c_out``, ``c_in``."""
+    if tuple(weight.shape[:2]) == (c_out, c_in):
+        return weight.contiguous(memory_format=layout)
+    padded = weight.new_zeros((c_out, c_in, *weight.shape[2:])).contiguous(memory_format=layout)
+    padded[: weight.shape[0], : weight.shape[1]] = weight
+    return padded
 
 
 def _pow2(n: int) -> int:
@@ -331,23 +364,26 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
 
 
 def _launch(kernel, tiles, tensors, *args, **constexprs) -> None:
-    """``kernel`` over the rows of ``tensors`` (4-D, one shape, the first's dtype), each passed with
-    its four strides after ``args``."""
-    batch, channels, height, width = shape = tensors[0].shape
-    if batch * channels * height * width == 0:
+    """``kernel`` over the rows of ``tensors`` (4-D, each passed with its four strides after ``args``):
+    the first's channels are read, the last's written, its channels past the first's as zeros."""
+    batch, channels, height, width = tensors[0].shape
+    stored = tensors[-1].shape[1]
+    if batch * stored * height * width == 0:
         return
-    channels_last = any(t.stride(1) == 1 and channels > 1 for t in tensors)
-    p = _row_plan(shape, tensors[0].dtype, tiles, channels_last=channels_last)
-    n_channel_blocks = -(-channels // p.block_rows)
+    channels_last = any(t.stride(1) == 1 and t.shape[1] > 1 for t in tensors)
+    p = _row_plan((batch, stored, height, width), tensors[0].dtype, tiles, channels_last=channels_last)
+    n_channel_blocks = -(-stored // p.block_rows)
     n_tiles = batch * height * n_channel_blocks
     strides = [s for t in tensors for s in t.stride()]
-    kernel[(min(p.grid, n_tiles),)](*args, n_tiles, n_channel_blocks, channels, height, width, *strides,
+    read = min(channels, stored)  # the channels read: those stored that the first tensor has
+    kernel[(min(p.grid, n_tiles),)](*args, n_tiles, n_channel_blocks, read, stored, height, width, *strides,
                                     BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
                                     num_warps=p.num_warps, **constexprs)
 
 
 def _upper_zero(x: Tensor, out: Tensor, bias: Tensor | None = None) -> None:
-    """``out = x (+ bias)`` with the positions above each matrix's diagonal zeroed (4-D, one shape)."""
+    """``out = x (+ bias)`` with the positions above each matrix's diagonal zeroed (4-D; ``x``'s
+    channels past ``out``'s are not read, ``out``'s past ``x``'s are zeroed)."""
     _launch(_upper_zero_kernel, OUTPUT_MASK_TILES, (x, out), x,
             bias if bias is not None else x, out, HAS_BIAS=bias is not None)
 
@@ -356,20 +392,29 @@ def _conv_args(stride, padding, dilation, groups) -> dict:
     return dict(stride=list(stride), padding=list(padding), dilation=list(dilation), groups=groups)
 
 
+def _probs_like(scores: Tensor, weight_shape, groups: int) -> Tensor:
+    """The probabilities' buffer: ``scores``' shape with the convolution's (padded) input channels, in
+    its layout."""
+    layout, c_in, _ = conv_layout(scores.device, weight_shape, groups)
+    shape = (scores.shape[0], c_in, *scores.shape[2:])
+    return torch.empty(shape, dtype=scores.dtype, device=scores.device, memory_format=layout)
+
+
 @custom_op("multi_token_attention_forward")
 def multi_token_attention_forward(scores: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
                                   padding: list[int], dilation: list[int], groups: int,
                                   sparse: bool) -> tuple[Tensor, Tensor]:
     """``(out, probs)`` for 4-D ``scores`` ``(B, C_in, L, L)``: the causal softmax / sparsemax
-    ``probs`` (``scores``' dtype, in :func:`conv_memory_format`) and the masked convolution ``out``
-    (contiguous), the bias added by the mask's kernel."""
-    layout = conv_memory_format(scores.device, weight.shape, groups)
-    probs = torch.empty(scores.shape, dtype=scores.dtype, device=scores.device, memory_format=layout)
+    ``probs`` (``scores``' dtype, in :func:`conv_layout`'s layout and channels, the padding zero)
+    and the masked convolution ``out`` (contiguous), the bias added by the mask's kernel."""
+    layout, c_in, c_out = conv_layout(scores.device, weight.shape, groups)
+    probs = _probs_like(scores, weight.shape, groups)
     _launch(_causal_activation_forward_kernel, FORWARD_TILES, (scores, probs), scores, probs,
             SPARSE=sparse, BISECTIONS=SPARSEMAX_BISECTIONS)
     conv = _conv_args(stride, padding, dilation, groups)
-    conv_out = F.conv2d(probs, weight.contiguous(memory_format=layout), None, **conv)
-    out = torch.empty(conv_out.shape, dtype=conv_out.dtype, device=conv_out.device)
+    conv_out = F.conv2d(probs, _padded_weight(weight, layout, c_in // groups, c_out), None, **conv)
+    out = torch.empty((conv_out.shape[0], weight.shape[0], *conv_out.shape[2:]), dtype=conv_out.dtype,
+                      device=conv_out.device)
     _upper_zero(conv_out, out, bias)
     return out, probs
 
@@ -377,7 +422,7 @@ def multi_token_attention_forward(scores: Tensor, weight: Tensor, bias: Tensor |
 @multi_token_attention_forward.register_fake
 def _(scores, weight, bias, stride, padding, dilation, groups, sparse):
     out = F.conv2d(scores, weight, bias, **_conv_args(stride, padding, dilation, groups))
-    probs = torch.empty_like(scores, memory_format=conv_memory_format(scores.device, weight.shape, groups))
+    probs = _probs_like(scores, weight.shape, groups)
     return torch.empty_like(out, memory_format=torch.contiguous_format), probs
 
 
@@ -386,25 +431,33 @@ def multi_token_attention_backward(grad_out: Tensor, probs: Tensor, weight: Tens
                                    padding: list[int], dilation: list[int], groups: int, sparse: bool,
                                    has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(dscores, dweight, dbias)``; ``dbias`` empty without a bias. The masked incoming gradient is
-    written in the probabilities' layout, and both convolution gradients come from one call."""
+    written in the probabilities' layout and (padded) channels, and both convolution gradients come
+    from one call."""
     conv = _conv_args(stride, padding, dilation, groups)
-    layout = conv_memory_format(probs.device, weight.shape, groups)
-    grad_conv = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device,
-                            memory_format=layout)
+    layout, c_in, c_out = conv_layout(probs.device, weight.shape, groups)
+    grad_conv = torch.empty((grad_out.shape[0], c_out, *grad_out.shape[2:]), dtype=grad_out.dtype,
+                            device=grad_out.device, memory_format=layout)
     _upper_zero(grad_out, grad_conv)
     grad_probs, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-        grad_conv, probs, weight.contiguous(memory_format=layout), [weight.shape[0]] if has_bias else None,
+        grad_conv, probs, _padded_weight(weight, layout, c_in // groups, c_out),
+        [c_out] if has_bias else None,
         conv["stride"], conv["padding"], conv["dilation"], False, [0, 0], groups, [True, True, has_bias])
-    grad_scores = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
+    grad_scores = torch.empty(_scores_shape(probs, weight, groups), dtype=probs.dtype, device=probs.device)
     _launch(_causal_activation_backward_kernel, BACKWARD_TILES, (grad_probs, probs, grad_scores),
             grad_probs, probs, grad_scores, SPARSE=sparse)
-    return (grad_scores, grad_weight.contiguous(),
-            grad_bias if has_bias else probs.new_empty(0))
+    c_out_real, c_in_group = weight.shape[:2]
+    return (grad_scores, grad_weight[:c_out_real, :c_in_group].contiguous(),
+            grad_bias[:c_out_real] if has_bias else probs.new_empty(0))
+
+
+def _scores_shape(probs: Tensor, weight: Tensor, groups: int) -> tuple[int, ...]:
+    """The scores' shape: the probabilities' without the convolution's channel padding."""
+    return (probs.shape[0], weight.shape[1] * groups, *probs.shape[2:])
 
 
 @multi_token_attention_backward.register_fake
 def _(grad_out, probs, weight, stride, padding, dilation, groups, sparse, has_bias):
-    return (torch.empty_like(probs, memory_format=torch.contiguous_format),
+    return (probs.new_empty(_scores_shape(probs, weight, groups)),
             torch.empty_like(weight, memory_format=torch.contiguous_format),
             probs.new_empty(weight.shape[0] if has_bias else 0))
 
