@@ -66,13 +66,15 @@ SPARSEMAX_BISECTIONS = 24
 
 
 @triton.jit
-def _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS: tl.constexpr):
-    """Tile ``tile``'s ``(b, h)`` (int64 scalars) and its ``BLOCK_ROWS`` channels: a tile is a block of
-    channels of one ``(batch, row)`` pair, so that a channels-last tensor's tile is contiguous
-    along the channels while an NCHW one's rows are contiguous along the columns."""
+def _tile_rows(tile, n_channel_blocks, height, n_channels, n_stored, BLOCK_ROWS: tl.constexpr):
+    """Tile ``tile``'s ``(b, h)`` (int64 scalars), its ``BLOCK_ROWS`` channels, and which of them are
+    read (``< n_channels``) and written (``< n_stored``): a tile is a block of channels of one
+    ``(batch, row)`` pair, so that a channels-last tensor's tile is contiguous along the channels
+    while an NCHW one's rows are contiguous along the columns."""
     bh = tile // n_channel_blocks
     channels = (tile % n_channel_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    return (bh // height).to(tl.int64), (bh % height).to(tl.int64), channels
+    b, h = (bh // height).to(tl.int64), (bh % height).to(tl.int64)
+    return b, h, channels, channels < n_channels, channels < n_stored
 
 
 @triton.jit
@@ -120,9 +122,8 @@ def _causal_activation_forward_kernel(
     pid = tl.program_id(0)
     col_offsets = tl.arange(0, BLOCK_COLS)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
-        b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
-        row_mask = channels < n_channels
-        store_mask = channels < n_stored
+        b, pos, channels, row_mask, store_mask = _tile_rows(
+            tile, n_channel_blocks, height, n_channels, n_stored, BLOCK_ROWS)
         x_rows = _rows(x_ptr, b, pos, channels, x_sb, x_sc, x_sh)
         p_rows = _rows(p_ptr, b, pos, channels, p_sb, p_sc, p_sh)
         if COL_TILES == 1:
@@ -208,9 +209,8 @@ def _causal_activation_backward_kernel(
     pid = tl.program_id(0)
     col_offsets = tl.arange(0, BLOCK_COLS)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
-        b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
-        row_mask = channels < n_channels
-        store_mask = channels < n_stored
+        b, pos, channels, row_mask, store_mask = _tile_rows(
+            tile, n_channel_blocks, height, n_channels, n_stored, BLOCK_ROWS)
         g_rows = _rows(g_ptr, b, pos, channels, g_sb, g_sc, g_sh)
         p_rows = _rows(p_ptr, b, pos, channels, p_sb, p_sc, p_sh)
         dx_rows = _rows(dx_ptr, b, pos, channels, d_sb, d_sc, d_sh)
@@ -258,9 +258,8 @@ def _upper_zero_kernel(
     pid = tl.program_id(0)
     col_offsets = tl.arange(0, BLOCK_COLS)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
-        b, pos, channels = _tile_rows(tile, n_channel_blocks, height, BLOCK_ROWS)
-        row_mask = channels < n_channels
-        store_mask = channels < n_stored
+        b, pos, channels, row_mask, store_mask = _tile_rows(
+            tile, n_channel_blocks, height, n_channels, n_stored, BLOCK_ROWS)
         x_rows = _rows(x_ptr, b, pos, channels, x_sb, x_sc, x_sh)
         y_rows = _rows(y_ptr, b, pos, channels, y_sb, y_sc, y_sh)
         if HAS_BIAS:
