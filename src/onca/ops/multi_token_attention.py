@@ -391,10 +391,9 @@ def _conv_args(stride, padding, dilation, groups) -> dict:
     return dict(stride=list(stride), padding=list(padding), dilation=list(dilation), groups=groups)
 
 
-def _probs_like(scores: Tensor, weight_shape, groups: int) -> Tensor:
-    """The probabilities' buffer: ``scores``' shape with the convolution's (padded) input channels, in
-    its layout."""
-    layout, c_in, _ = conv_layout(scores.device, weight_shape, groups)
+def _probs_like(scores: Tensor, layout: torch.memory_format, c_in: int) -> Tensor:
+    """The probabilities' buffer: ``scores``' shape with the convolution's (padded) input channels
+    ``c_in``, in its ``layout`` (:func:`conv_layout`)."""
     shape = (scores.shape[0], c_in, *scores.shape[2:])
     return torch.empty(shape, dtype=scores.dtype, device=scores.device, memory_format=layout)
 
@@ -407,7 +406,7 @@ def multi_token_attention_forward(scores: Tensor, weight: Tensor, bias: Tensor |
     ``probs`` (``scores``' dtype, in :func:`conv_layout`'s layout and channels, the padding zero)
     and the masked convolution ``out`` (contiguous), the bias added by the mask's kernel."""
     layout, c_in, c_out = conv_layout(scores.device, weight.shape, groups)
-    probs = _probs_like(scores, weight.shape, groups)
+    probs = _probs_like(scores, layout, c_in)
     _launch(_causal_activation_forward_kernel, FORWARD_TILES, (scores, probs), scores, probs,
             SPARSE=sparse, BISECTIONS=SPARSEMAX_BISECTIONS)
     conv = _conv_args(stride, padding, dilation, groups)
@@ -421,7 +420,8 @@ def multi_token_attention_forward(scores: Tensor, weight: Tensor, bias: Tensor |
 @multi_token_attention_forward.register_fake
 def _(scores, weight, bias, stride, padding, dilation, groups, sparse):
     out = F.conv2d(scores, weight, bias, **_conv_args(stride, padding, dilation, groups))
-    probs = _probs_like(scores, weight.shape, groups)
+    layout, c_in, _ = conv_layout(scores.device, weight.shape, groups)
+    probs = _probs_like(scores, layout, c_in)
     return torch.empty_like(out, memory_format=torch.contiguous_format), probs
 
 
