@@ -34,6 +34,7 @@ from onca.ops.geglu import geglu
 from onca.ops.group_norm import group_norm
 from onca.ops.kl_div import kl_div
 from onca.ops.layer_norm import layer_norm
+from onca.ops.multi_token_attention import multi_token_attention
 from onca.ops.relu_squared import relu_squared
 from onca.ops.softmax import softmax
 from onca.ops.swiglu import swiglu
@@ -157,6 +158,13 @@ def _cases():
         "cross_entropy_overwrite_logits": (
             lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d)],
             lambda x, t: cross_entropy(x, t, overwrite_logits=True)),
+        "multi_token_attention": (
+            lambda d: [_tensor((2, 4, 9, 9), F32, d, scale=2.0), _tensor((4, 4, 3, 3), F32, d, scale=0.3),
+                       _tensor(4, F32, d)],
+            lambda s, w, b: multi_token_attention(s, w, b, padding=1)),
+        "multi_token_attention_bf16_strided_groups": (
+            lambda d: [_tensor((1, 4, 11, 11), BF16, d, scale=2.0), _tensor((6, 2, 3, 2), BF16, d, scale=0.3)],
+            lambda s, w: multi_token_attention(s, w, stride=(2, 1), padding=(2, 1), dilation=(1, 2), groups=2)),
         "fused_linear_cross_entropy": (
             lambda d: [_tensor((2, 4, 32), F32, d), _tensor((vocab, 32), F32, d, scale=0.2),
                        _labels((2, 4), vocab, d)],
@@ -325,6 +333,8 @@ KEPT = {
                                                   _tensor((5, 4), F32, d)),
     "embedding_check_bounds": lambda d: embedding(torch.randint(0, 5, (6,)).to(d), _tensor((5, 8), F32, d),
                                                   check_bounds=True),
+    "multi_token_attention_sparsemax": lambda d: multi_token_attention(
+        _tensor((1, 2, 6, 6), F32, d), _tensor((2, 2, 3, 3), F32, d), padding=1, sparse=True),
     "cross_entropy_softcap": lambda d: cross_entropy(_tensor((4, 16), F32, d), _labels((4,), 16, d, 0),
                                                      softcap=30.0),
     "cross_entropy_z_loss": lambda d: cross_entropy(_tensor((4, 16), F32, d), _labels((4,), 16, d, 0),
@@ -359,6 +369,17 @@ def test_a_call_above_the_limit_keeps_oncas_op(device, route, onca_ops):
     small_calls.set_limit(4 * 32 - 1)
     layer_norm(x)
     assert onca_ops == ["layer_norm_forward"]
+
+
+def test_multi_token_attention_counts_its_output_when_larger(device, route, onca_ops):
+    # 2 channels in, 8 out: the output (288 elements) is the largest tensor, not the scores (72).
+    scores, weight = _tensor((1, 2, 6, 6), F32, device), _tensor((8, 2, 3, 3), F32, device)
+    small_calls.set_limit(8 * 36)
+    multi_token_attention(scores, weight, padding=1)
+    assert onca_ops == []
+    small_calls.set_limit(8 * 36 - 1)
+    multi_token_attention(scores, weight, padding=1)
+    assert onca_ops == ["multi_token_attention_forward"]
 
 
 @pytest.mark.parametrize("name", ["layer_norm", "softmax_middle_dim", "cross_entropy", "kl_div_batchmean"])

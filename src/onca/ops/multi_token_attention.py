@@ -31,6 +31,9 @@ Sparsemax (Martins & Astudillo, 2016): ``p = max(z - tau, 0)`` with ``tau`` such
 support ``S = {p > 0}``, 0 elsewhere. Softmax's: ``dz = p * (g - sum(g * p))``. Both are computed in
 fp32 for every input dtype (liger-kernel's sparse path takes fp32 only).
 
+A small eager softmax call on CUDA (scores or output of at most ``onca.ops._small_calls.limit()``
+elements) takes torch's ops instead: the masked softmax, the convolution and ``tril``.
+
 Saved for backward: the probabilities (``scores``' dtype and the convolution's layout and padded
 channels, as the convolution reads them) and the convolution's weight; the masked scores are not kept.
 """
@@ -46,6 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
@@ -496,6 +500,26 @@ def _pair(value, name: str, minimum: int) -> list[int]:
     return pair
 
 
+def _largest_tensor(scores: Tensor, weight: Tensor, stride, padding, dilation) -> int:
+    """Elements of the larger of ``scores`` and the convolution's output."""
+    b, c_in, length, _ = scores.shape
+    c_out, _, *kernel = weight.shape
+    out = [(length + 2 * p - d * (k - 1) - 1) // s + 1 for s, p, d, k in zip(stride, padding, dilation, kernel)]
+    return max(scores.numel(), b * c_out * max(out[0], 0) * max(out[1], 0))
+
+
+def _torch_route(scores: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,
+                 groups: int) -> Tensor:
+    """A small softmax call by torch's ops (:mod:`onca.ops._small_calls`): the masked softmax, the
+    NCHW convolution and ``tril`` for the output mask, autograd for the gradients. The causal mask
+    is made per call (two small kernels): a mask kept between calls would be made by a kernel that
+    a CUDA graph capture records but does not run."""
+    length = scores.shape[-1]
+    later = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu_(1)
+    probs = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
+    return F.conv2d(probs, weight, bias, stride, padding, dilation, groups).tril()
+
+
 def multi_token_attention(
     scores: Tensor,
     weight: Tensor,
@@ -546,6 +570,8 @@ def multi_token_attention(
     padding = _pair(padding, "padding", 0)
     dilation = _pair(dilation, "dilation", 1)
     check_bool(sparse, "sparse")
+    if not sparse and small_calls.small(_largest_tensor(scores, weight, stride, padding, dilation), scores):
+        return _torch_route(scores, weight, bias, stride, padding, dilation, groups)
     out, _ = multi_token_attention_forward(scores, weight.contiguous(), None if bias is None else bias.contiguous(),
                                            stride, padding, dilation, groups, sparse)
     return out
