@@ -51,7 +51,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, get_profile
 from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._launch import fast_launch
+from onca.ops._launch import fast_launch, launch_config, prepared_key
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
 from onca.tiling import RowPlan, plan_rows
 
@@ -366,22 +366,33 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     }
 
 
-def _launch(kernel, tiles, tensors, *args, **constexprs) -> None:
-    """``kernel`` over the rows of ``tensors`` (4-D, each passed with its four strides after ``args``):
-    the first's channels are read, the last's written, its channels past the first's as zeros."""
+def _launch(kernel, tiles, tensors, *pointers, **constexprs) -> None:
+    """``kernel`` over the rows of ``tensors`` (4-D, each passed with its four strides after the
+    ``pointers``, which are tensors): the first's channels are read, the last's written, its channels
+    past the first's as zeros. Everything but the pointers is kept per layout
+    (:func:`onca.ops._launch.launch_config`): deriving the plan, the grid and the strides again, and
+    keying twenty scalar arguments, cost more host time than the launch at host-bound sizes."""
+    key = (kernel, get_profile(), tuple(constexprs.items()), *[(t.dtype, t.shape, t.stride()) for t in tensors])
+    grid, scalars, kwargs, scalars_key = launch_config(key, lambda: _launch_config(tiles, tensors, constexprs))
+    if grid is not None:  # None: no rows, never a zero-size grid
+        kernel.launch_prepared(grid, pointers, scalars, kwargs, scalars_key)
+
+
+def _launch_config(tiles, tensors, constexprs) -> tuple:
+    """``(grid, scalar arguments, keyword constexprs, their prepared key)`` of :func:`_launch`."""
     batch, channels, height, width = tensors[0].shape
     stored = tensors[-1].shape[1]
     if batch * stored * height * width == 0:
-        return
+        return None, (), {}, None
     channels_last = any(t.stride(1) == 1 and t.shape[1] > 1 for t in tensors)
     p = _row_plan((batch, stored, height, width), tensors[0].dtype, tiles, channels_last=channels_last)
     n_channel_blocks = -(-stored // p.block_rows)
     n_tiles = batch * height * n_channel_blocks
-    strides = [s for t in tensors for s in t.stride()]
     read = min(channels, stored)  # the channels read: those stored that the first tensor has
-    kernel[(min(p.grid, n_tiles),)](*args, n_tiles, n_channel_blocks, read, stored, height, width, *strides,
-                                    BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
-                                    num_warps=p.num_warps, **constexprs)
+    scalars = (n_tiles, n_channel_blocks, read, stored, height, width, *[s for t in tensors for s in t.stride()])
+    kwargs = dict(BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+                  num_warps=p.num_warps, **constexprs)
+    return (min(p.grid, n_tiles),), scalars, kwargs, prepared_key(scalars, kwargs)
 
 
 def _upper_zero(x: Tensor, out: Tensor, bias: Tensor | None = None) -> None:
