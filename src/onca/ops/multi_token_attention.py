@@ -372,8 +372,10 @@ def _launch(kernel, tiles, tensors, *pointers, **constexprs) -> None:
     past the first's as zeros. Everything but the pointers is kept per layout
     (:func:`onca.ops._launch.launch_config`): deriving the plan, the grid and the strides again, and
     keying twenty scalar arguments, cost more host time than the launch at host-bound sizes."""
-    key = (kernel, get_profile(), tuple(constexprs.items()), *[(t.dtype, t.shape, t.stride()) for t in tensors])
-    grid, scalars, kwargs, scalars_key = launch_config(key, lambda: _launch_config(tiles, tensors, constexprs))
+    key = (kernel, get_profile(), tuple(constexprs.items()),
+           *[(t.dtype, t.shape, t.stride()) for t in tensors])
+    grid, scalars, kwargs, scalars_key = launch_config(
+        key, lambda: _launch_config(tiles, tensors, constexprs))
     if grid is not None:  # None: no rows, never a zero-size grid
         kernel.launch_prepared(grid, pointers, scalars, kwargs, scalars_key)
 
@@ -389,7 +391,8 @@ def _launch_config(tiles, tensors, constexprs) -> tuple:
     n_channel_blocks = -(-stored // p.block_rows)
     n_tiles = batch * height * n_channel_blocks
     read = min(channels, stored)  # the channels read: those stored that the first tensor has
-    scalars = (n_tiles, n_channel_blocks, read, stored, height, width, *[s for t in tensors for s in t.stride()])
+    scalars = (n_tiles, n_channel_blocks, read, stored, height, width,
+               *[s for t in tensors for s in t.stride()])
     kwargs = dict(BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
                   num_warps=p.num_warps, **constexprs)
     return (min(p.grid, n_tiles),), scalars, kwargs, prepared_key(scalars, kwargs)
@@ -515,7 +518,8 @@ def _largest_tensor(scores: Tensor, weight: Tensor, stride, padding, dilation) -
     """Elements of the larger of ``scores`` and the convolution's output."""
     b, c_in, length, _ = scores.shape
     c_out, _, *kernel = weight.shape
-    out = [(length + 2 * p - d * (k - 1) - 1) // s + 1 for s, p, d, k in zip(stride, padding, dilation, kernel)]
+    out = [(length + 2 * p - d * (k - 1) - 1) // s + 1
+           for s, p, d, k in zip(stride, padding, dilation, kernel)]
     return max(scores.numel(), b * c_out * max(out[0], 0) * max(out[1], 0))
 
 
