@@ -34,7 +34,7 @@ from onca.ops.geglu import geglu
 from onca.ops.group_norm import group_norm
 from onca.ops.kl_div import kl_div
 from onca.ops.layer_norm import layer_norm
-from onca.ops.multi_token_attention import multi_token_attention
+from onca.ops.multi_token_attention import SMALL_CALL_WEIGHT, multi_token_attention
 from onca.ops.relu_squared import relu_squared
 from onca.ops.softmax import softmax
 from onca.ops.swiglu import swiglu
@@ -372,12 +372,13 @@ def test_a_call_above_the_limit_keeps_oncas_op(device, route, onca_ops):
 
 
 def test_multi_token_attention_counts_its_output_when_larger(device, route, onca_ops):
-    # 2 channels in, 8 out: the output (288 elements) is the largest tensor, not the scores (72).
+    # 2 channels in, 8 out: the output (288 elements) is the largest tensor, not the scores (72),
+    # each element counted SMALL_CALL_WEIGHT times.
     scores, weight = _tensor((1, 2, 6, 6), F32, device), _tensor((8, 2, 3, 3), F32, device)
-    small_calls.set_limit(8 * 36)
+    small_calls.set_limit(8 * 36 * SMALL_CALL_WEIGHT)
     multi_token_attention(scores, weight, padding=1)
     assert onca_ops == []
-    small_calls.set_limit(8 * 36 - 1)
+    small_calls.set_limit(8 * 36 * SMALL_CALL_WEIGHT - 1)
     multi_token_attention(scores, weight, padding=1)
     assert onca_ops == ["multi_token_attention_forward"]
 

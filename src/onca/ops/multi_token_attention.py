@@ -31,8 +31,9 @@ Sparsemax (Martins & Astudillo, 2016): ``p = max(z - tau, 0)`` with ``tau`` such
 support ``S = {p > 0}``, 0 elsewhere. Softmax's: ``dz = p * (g - sum(g * p))``. Both are computed in
 fp32 for every input dtype (liger-kernel's sparse path takes fp32 only).
 
-A small eager softmax call on CUDA (scores or output of at most ``onca.ops._small_calls.limit()``
-elements) takes torch's ops instead: the masked softmax, the convolution and ``tril``.
+A small eager softmax call on CUDA (scores or output of at most ``onca.ops._small_calls.limit() /
+SMALL_CALL_WEIGHT`` elements) takes torch's ops instead: the masked softmax, the convolution and
+``tril``.
 
 Saved for backward: the probabilities (``scores``' dtype and the convolution's layout and padded
 channels, as the convolution reads them) and the convolution's weight; the masked scores are not kept.
@@ -64,6 +65,14 @@ BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=4)  # dprobs, probs, dscores; the
 OUTPUT_MASK_TILES = dict(live_tiles=2, fp32_tiles=0, row_state=False)
 # Bisection steps for sparsemax's threshold on an interval of width 1 (then two exact steps).
 SPARSEMAX_BISECTIONS = 24
+# A small call (onca.ops._small_calls) counts each element of its largest tensor this many times:
+# torch's route (an NCHW convolution, the masks unfused) is the slower one on the device long
+# before the host stops deciding. H200, bf16, 2 x 8 heads: Onca's kernels took 0.133 against
+# torch's 0.293 ms of device time at 256 tokens (1M elements) and 0.351 against 0.918 at 512 (4M),
+# where the route ran at 0.948 ms a call against the kernels' 0.839; at 16 tokens of 32 heads (8K
+# elements) the route took 0.50 to 0.75 ms against the kernels' 0.90 to 1.14. So the route is
+# taken up to the limit's 1/64th: 64K elements by default.
+SMALL_CALL_WEIGHT = 64
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -585,7 +594,8 @@ def multi_token_attention(
     padding = _pair(padding, "padding", 0)
     dilation = _pair(dilation, "dilation", 1)
     check_bool(sparse, "sparse")
-    if not sparse and small_calls.small(_largest_tensor(scores, weight, stride, padding, dilation), scores):
+    largest = _largest_tensor(scores, weight, stride, padding, dilation)
+    if not sparse and small_calls.small(largest * SMALL_CALL_WEIGHT, scores):
         return _torch_route(scores, weight, bias, stride, padding, dilation, groups)
     out, _ = multi_token_attention_forward(scores, weight.contiguous(), None if bias is None else bias.contiguous(),
                                            stride, padding, dilation, groups, sparse)
