@@ -4,10 +4,10 @@ At a few million elements or fewer an op's GPU time is a few microseconds whoeve
 the host decides the speed. Where torch computes the op as one C++ call (LayerNorm, softmax,
 embedding, cross entropy, KL divergence, GroupNorm) or a few (the gated activations, ReLU², DyT,
 a head followed by cross entropy, multi-token attention's masked softmax and convolution), no
-Python-launched kernel can match it there: an autograd
-Function alone costs more host time forward + backward than torch's whole op (measured on an H100
-host: an empty Function 104 µs, torch's LayerNorm of 16 tokens 68 to 154 µs). Such an op's public
-function therefore calls torch's op when the call is *small*:
+Python-launched kernel can match it there: an autograd Function alone costs more host time forward
++ backward than torch's whole op (measured on an H100 host: an empty Function 104 µs, torch's
+LayerNorm of 16 tokens 68 to 154 µs). Such an op's public function therefore calls torch's op when
+the call is *small*:
 
 - eager (nothing tracing: under ``torch.compile`` the host path is gone and the graph keeps Onca's
   op, whatever the size) and outside ``torch.autocast`` (which would run several of torch's ops in
@@ -15,7 +15,9 @@ function therefore calls torch's op when the call is *small*:
 - on a device type in :data:`DEVICE_TYPES` (CUDA: the interpreter exists to run Onca's kernels,
   and torch_npu's ops are not measured),
 - its largest tensor at most :func:`limit` elements (default :data:`DEFAULT_LIMIT`, 2**22: 8 MB in
-  bf16, 16 tokens of a 256k vocabulary, 1024 tokens of a 4096-wide row), and
+  bf16, 16 tokens of a 256k vocabulary, 1024 tokens of a 4096-wide row; an op whose kernels win
+  on the device at far fewer elements counts each element several times: multi-token attention's
+  ``SMALL_CALL_WEIGHT``), and
 - its options within what torch's op computes (each op says which; anything else stays Onca's).
 
 The LM heads of the post-training losses and of ``fused_linear_logprobs`` (the chunk driver,
