@@ -38,7 +38,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._launch import fast_launch
+from onca.ops._launch import fast_launch, launch_config, prepared_key
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, TilingError, next_power_of_2, plan_rows
 
@@ -248,23 +248,44 @@ def _strides(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _launch(kernel, tiles: dict, pointers: tuple, strided: tuple, half: int, dilation: int,
+            scale: float) -> None:
+    """``kernel`` over the query rows of ``strided[0]``'s ``(B, H, L, D)`` shape and dtype: the
+    ``pointers`` (tensors), then the sizes, the options and each of ``strided``'s (batch, head, seq)
+    strides. Everything but the pointers is kept per layout (:func:`onca.ops._launch.launch_config`):
+    planning and keying some twenty scalar arguments again cost more host time than the launch at
+    host-bound sizes."""
+    first = strided[0]
+    key = (kernel, get_profile(), first.dtype, first.shape, half, dilation, scale,
+           *[t.stride() for t in strided])
+    grid, scalars, kwargs, scalars_key = launch_config(
+        key, lambda: _launch_config(tiles, strided, half, dilation, scale))
+    kernel.launch_prepared(grid, pointers, scalars, kwargs, scalars_key)
+
+
+def _launch_config(tiles: dict, strided: tuple, half: int, dilation: int, scale: float) -> tuple:
+    """``(grid, scalar arguments, keyword constexprs, their prepared key)`` of :func:`_launch`."""
+    batch, heads, seq, head_dim = strided[0].shape
+    rows = batch * heads * seq
+    p = _plan(rows, head_dim, strided[0].dtype, tiles)
+    scalars = (rows, seq, heads, head_dim, half, dilation, scale,
+               *[s for t in strided for s in _strides(t)])
+    kwargs = dict(BLOCK_ROWS=p.block_rows, BLOCK_D=p.block_cols, num_warps=p.num_warps)
+    return (p.grid,), scalars, kwargs, prepared_key(scalars, kwargs)
+
+
 @custom_op("neighborhood_attention_forward")
 def neighborhood_attention_forward(query: Tensor, key: Tensor, value: Tensor, half: int, dilation: int,
                                    scale: float) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` for 4-D ``(B, H, L, D)`` inputs with unit stride over ``D``: ``out``
     contiguous in the inputs' dtype, ``lse`` fp32 per query row (``B * H * L``)."""
-    batch, heads, seq, head_dim = query.shape
-    rows = batch * heads * seq
+    rows = query.shape[0] * query.shape[1] * query.shape[2]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     lse = torch.empty(rows, dtype=torch.float32, device=query.device)
     if rows == 0:
         return out, lse
-    p = _plan(rows, head_dim, query.dtype, FORWARD_TILES)
-    _neighborhood_forward_kernel[(p.grid,)](
-        query, key, value, out, lse, rows, seq, heads, head_dim, half, dilation, scale,
-        *_strides(query), *_strides(key), *_strides(value),
-        BLOCK_ROWS=p.block_rows, BLOCK_D=p.block_cols, num_warps=p.num_warps,
-    )
+    _launch(_neighborhood_forward_kernel, FORWARD_TILES, (query, key, value, out, lse), (query, key, value),
+            half, dilation, scale)
     return out, lse
 
 
@@ -279,24 +300,15 @@ def _(query, key, value, half, dilation, scale):
 def neighborhood_attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, lse: Tensor,
                                     half: int, dilation: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``, contiguous, in the inputs' dtype."""
-    batch, heads, seq, head_dim = query.shape
-    rows = batch * heads * seq
+    rows = query.shape[0] * query.shape[1] * query.shape[2]
     dq, dk, dv = (torch.empty(query.shape, dtype=query.dtype, device=query.device) for _ in range(3))
     if rows == 0:
         return dq, dk, dv
     delta = torch.empty(rows, dtype=torch.float32, device=query.device)
-    args = (rows, seq, heads, head_dim, half, dilation, scale,
-            *_strides(grad_out), *_strides(query), *_strides(key), *_strides(value))
-    p = _plan(rows, head_dim, query.dtype, DQ_TILES)
-    _neighborhood_dq_kernel[(p.grid,)](
-        grad_out, query, key, value, lse, delta, dq, *args,
-        BLOCK_ROWS=p.block_rows, BLOCK_D=p.block_cols, num_warps=p.num_warps,
-    )
-    p = _plan(rows, head_dim, query.dtype, DKV_TILES)
-    _neighborhood_dkv_kernel[(p.grid,)](
-        grad_out, query, key, value, lse, delta, dk, dv, *args,
-        BLOCK_ROWS=p.block_rows, BLOCK_D=p.block_cols, num_warps=p.num_warps,
-    )
+    strided = (grad_out, query, key, value)  # grad_out has the output's shape and dtype: query's
+    inputs = (grad_out, query, key, value, lse, delta)
+    _launch(_neighborhood_dq_kernel, DQ_TILES, (*inputs, dq), strided, half, dilation, scale)
+    _launch(_neighborhood_dkv_kernel, DKV_TILES, (*inputs, dk, dv), strided, half, dilation, scale)
     return dq, dk, dv
 
 
