@@ -131,6 +131,11 @@ def _cases():
                                                  _tensor(32, F32, d)], dyt),
         "group_norm": (lambda d: [_tensor((2, 8, 5), F32, d), _tensor(8, F32, d), _tensor(8, F32, d)],
                        lambda x, w, b: group_norm(x, 4, w, b, 1e-5)),
+        # One element a group: torch.nn.functional's wrapper refuses it (a size check written for
+        # batch norm); ATen and Onca's kernels compute y = bias, and the route calls ATen.
+        "group_norm_one_element_groups": (
+            lambda d: [_tensor((1, 6), F32, d), _tensor(6, F32, d), _tensor(6, F32, d)],
+            lambda x, w, b: group_norm(x, 6, w, b, 1e-5)),
         "kl_div_batchmean": (lambda d: [torch.log_softmax(torch.randn(6, vocab), -1).to(d).requires_grad_(),
                                         torch.softmax(torch.randn(6, vocab), -1).to(d)],
                              lambda i, t: kl_div(i, t, "batchmean")),

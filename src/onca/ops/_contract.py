@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NAMESPACE", "OPS", "Op", "custom_op", "register_autograd", "tracing"]
+__all__ = ["NAMESPACE", "OPS", "Op", "PLAIN_TYPES", "custom_op", "register_autograd", "tracing"]
 
 NAMESPACE = "onca"
 
@@ -33,14 +33,14 @@ OPS: dict[str, Op] = {}
 
 # Tensor types the launchers can run on directly; anything else (FakeTensor, FunctionalTensor,
 # DTensor, other subclasses) goes through the dispatcher.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def tracing(*tensors) -> bool:
     """Whether these tensors are being traced rather than computed (the registered op's route)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
-    return any(t is not None and type(t) not in _PLAIN for t in tensors)
+    return any(t is not None and type(t) not in PLAIN_TYPES for t in tensors)
 
 
 def _traced(args: tuple) -> bool:
@@ -48,7 +48,7 @@ def _traced(args: tuple) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
     for a in args:
-        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+        if isinstance(a, torch.Tensor) and type(a) not in PLAIN_TYPES:
             return True
     return False
 

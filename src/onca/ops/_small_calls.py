@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from onca.ops._contract import tracing
+from onca.ops._contract import PLAIN_TYPES
 
 __all__ = ["DEFAULT_LIMIT", "DEVICE_TYPES", "fits", "limit", "set_limit", "small", "same_dtype"]
 
@@ -78,17 +78,26 @@ def set_limit(elements: int) -> int:
     return previous
 
 
-def fits(elements: int, *tensors: torch.Tensor) -> bool:
+def fits(elements: int, *tensors: torch.Tensor | None) -> bool:
     """Whether a call whose largest tensor has ``elements`` elements, on ``tensors`` (the first
-    decides the device), may take torch's route (not counted: see :func:`small`)."""
+    decides the device; None skipped), may take torch's route (not counted: see :func:`small`).
+
+    Every routed call pays this check, so it is written flat (no helper calls: each costs a
+    fraction of a microsecond on a training host, and the route exists to save microseconds);
+    it asks what :func:`onca.ops._contract.tracing` asks."""
     if elements > _limit or _limit == 0:  # first: the one check every large call pays
         return False
     device_type = tensors[0].device.type
-    return (device_type in DEVICE_TYPES and not tracing(*tensors)
-            and not torch.is_autocast_enabled(device_type))
+    if (device_type not in DEVICE_TYPES or torch.compiler.is_compiling()
+            or torch._C._len_torch_dispatch_stack() > 0):
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in PLAIN_TYPES:  # fake tensors, DTensor, other subclasses
+            return False
+    return not torch.is_autocast_enabled(device_type)
 
 
-def small(elements: int, *tensors: torch.Tensor) -> bool:
+def small(elements: int, *tensors: torch.Tensor | None) -> bool:
     """:func:`fits`, counted in :data:`taken` when it does: the check of the call that then takes
     torch's route."""
     global taken
@@ -101,4 +110,8 @@ def small(elements: int, *tensors: torch.Tensor) -> bool:
 def same_dtype(first: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether every tensor given (None skipped) has ``first``'s dtype: torch's ops promote mixed
     dtypes where Onca's keep the input's, so mixed calls stay Onca's."""
-    return all(t is None or t.dtype == first.dtype for t in others)
+    dtype = first.dtype
+    for t in others:  # a loop, not all() over a generator: half the time, on every routed call
+        if t is not None and t.dtype != dtype:
+            return False
+    return True

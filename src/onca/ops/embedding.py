@@ -577,8 +577,9 @@ def embedding(
     elements = indices.numel() * weight.shape[1]
     sync_free = not scale_grad_by_freq and indices.numel() <= TORCH_ATOMIC_BACKWARD_INDICES
     if sync_free and not (check_bounds or deterministic) and small_calls.small(elements, weight, indices):
-        return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx,
-                                             scale_grad_by_freq=scale_grad_by_freq)
+        # torch.nn.functional's op without its Python wrapper (padding_idx is already normalised,
+        # -1 for none, as ATen takes it): the same ATen call, about 2 us less host time a call.
+        return torch.embedding(weight, indices, padding_idx, scale_grad_by_freq)
     flat = indices.reshape(-1).contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y, _keys = embedding_forward(flat, weight, padding_idx, deterministic, scale_grad_by_freq, check_bounds)

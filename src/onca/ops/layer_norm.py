@@ -404,7 +404,9 @@ def layer_norm(
     """
     _validate(x, weight, bias, eps)
     if small_calls.same_dtype(x, weight, bias) and small_calls.small(x.numel(), x):
-        return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        # torch.nn.functional's op without its Python wrapper (its torch-function test is the
+        # route's own): the same ATen call, about 2 us less host time a call.
+        return torch.layer_norm(x, (x.shape[-1],), weight, bias, eps, torch.backends.cudnn.enabled)
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     y, _, _ = layer_norm_forward(rows_ready(x), weight, bias, float(eps))
