@@ -970,7 +970,7 @@ def check_target(target, name: str, shape: tuple[int, ...], what: str) -> Tensor
             "(class-probability targets are not supported)"
         )
     check_index(target, name)
-    if tuple(target.shape) != tuple(shape):
+    if target.shape != shape:  # torch.Size against torch.Size or a tuple: no tuples built per call
         raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(target.shape)}")
     return target.reshape(-1)
 
@@ -984,20 +984,26 @@ def torch_computes(lse_square_scale, softcap, label_smoothing, weight, *returns:
             and not (label_smoothing and weight is not None))
 
 
+# ATen's reduction argument (torch.nn._reduction.get_enum).
+_REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2}
+
+
 def torch_cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
                         label_smoothing: float, reduction: str) -> Tensor:
     """A small call's fp32 loss by torch's ops, from the fp32 logits as Hugging Face's loss takes
     them: ``logits`` ``(tokens, vocab)``, ``target`` ``(tokens,)``. A target outside the vocabulary
     stops torch's CUDA kernel with a device-side assertion (Onca's kernel gives NaN there)."""
     weight = None if weight is None else weight.float()  # read in fp32 whatever its dtype, as the kernel
-    if not label_smoothing:
-        # The same values as below, with the cast inside the log-softmax (whose backward returns the
-        # logits' dtype): one small kernel fewer each way for a bf16 head.
-        log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
-        return torch.nn.functional.nll_loss(log_probs, target, weight, ignore_index=ignore_index,
-                                            reduction=reduction)
-    return torch.nn.functional.cross_entropy(logits.float(), target, weight, ignore_index=ignore_index,
-                                             reduction=reduction, label_smoothing=label_smoothing)
+    # ATen's ops without torch.nn.functional's Python wrappers (the caller has checked every
+    # argument, and the route takes plain tensors only): host time is what a small call costs.
+    if label_smoothing or logits.dtype == torch.float32:
+        # One ATen call (log-softmax and the loss); a 16-bit head is cast first.
+        return torch._C._nn.cross_entropy_loss(logits.float(), target, weight, _REDUCTION_ENUM[reduction],
+                                               ignore_index, label_smoothing)
+    # A 16-bit head without smoothing: the same values with the cast inside the log-softmax (whose
+    # backward returns the logits' dtype), one small kernel fewer each way.
+    log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
+    return torch._C._nn.nll_loss_nd(log_probs, target, weight, _REDUCTION_ENUM[reduction], ignore_index)
 
 
 def _validate_inputs(logits, target) -> Tensor:
@@ -1048,10 +1054,12 @@ def cross_entropy(
     manage their own buffers). See the module docstring.
     """
     validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
-    check_bool(return_z_loss, "return_z_loss")
-    check_bool(overwrite_logits, "overwrite_logits")
-    check_bool(return_token_accuracy, "return_token_accuracy")
-    check_bool(return_predicted_tokens, "return_predicted_tokens")
+    if not (type(return_z_loss) is bool and type(overwrite_logits) is bool  # one test a call; the
+            and type(return_token_accuracy) is bool and type(return_predicted_tokens) is bool):  # names
+        check_bool(return_z_loss, "return_z_loss")  # where one is wrong
+        check_bool(overwrite_logits, "overwrite_logits")
+        check_bool(return_token_accuracy, "return_token_accuracy")
+        check_bool(return_predicted_tokens, "return_predicted_tokens")
     target1d = _validate_inputs(logits, target)
     weight = check_class_weight(weight, "weight", logits.shape[-1], logits, "logits")
     # overwrite_logits only lets the op reuse the logits: torch's route allocates instead.
@@ -1062,7 +1070,9 @@ def cross_entropy(
         needs_rows = logits.dim() > 2
         rows, labels = (as_rows(logits), target1d) if needs_rows else (logits, target)
         loss = torch_cross_entropy(rows, labels, weight, ignore_index, label_smoothing, reduction)
-        return (loss.view(target.shape) if needs_rows and reduction == "none" else loss).to(logits.dtype)
+        loss = loss.view(target.shape) if needs_rows and reduction == "none" else loss
+        # Not .to() where the dtype is already right: its argument parsing alone costs microseconds.
+        return loss if logits.dtype == torch.float32 else loss.to(logits.dtype)
     x2d = as_rows(logits)
     gradient_in_forward = overwrite_logits and logits.requires_grad and torch.is_grad_enabled()
     overwrite = gradient_in_forward and not tracing(logits, target)
