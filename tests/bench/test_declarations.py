@@ -26,3 +26,20 @@ def test_every_op_benchmark_declaration(op, device):
     new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
     statuses = {p.status for r in new if r.metric_name == "speed" for p in r.points}
     assert statuses == {"ok"}, [(r.kernel_provider, p.note) for r in new for p in r.points if p.status != "ok"]
+
+
+def test_neighborhood_attention_refuses_liger_above_its_int32_scores():
+    """liger-kernel's neighborhood attention faults from 2**31 scores (an illegal memory access
+    that ends a sweep's process): its factory refuses those points, named in the error, before
+    importing liger-kernel; the sweep records them as errors and goes on."""
+    from onca.bench.ops import neighborhood_attention as na
+
+    largest = {"batch": 2, "heads": 16, "seq": 8192, "head_dim": 128}  # 2**31 scores
+    with pytest.raises(NotImplementedError, match="2147483648 scores"):
+        na.liger(largest, {})
+    below = {**largest, "seq": 4096}
+    assert below["batch"] * below["heads"] * below["seq"] ** 2 <= na.LIGER_MAX_SCORES
+    try:  # below the limit the factory goes on to liger-kernel (absent in CI)
+        na.liger(below, {"q": None, "k": None, "v": None})
+    except ImportError:
+        pass

@@ -132,10 +132,12 @@ def _cases():
         "group_norm": (lambda d: [_tensor((2, 8, 5), F32, d), _tensor(8, F32, d), _tensor(8, F32, d)],
                        lambda x, w, b: group_norm(x, 4, w, b, 1e-5)),
         # One element a group: torch.nn.functional's wrapper refuses it (a size check written for
-        # batch norm); ATen and Onca's kernels compute y = bias, and the route calls ATen.
+        # batch norm); ATen and Onca's kernels compute y = bias, and the route calls ATen. eps 0.5:
+        # CUDA's ATen computes x * rstd * w + (b - mean * rstd * w), whose rounding grows with rstd
+        # (5e-5 at eps 1e-5 on an H200, where Onca's kernel gives exactly b).
         "group_norm_one_element_groups": (
             lambda d: [_tensor((1, 6), F32, d), _tensor(6, F32, d), _tensor(6, F32, d)],
-            lambda x, w, b: group_norm(x, 6, w, b, 1e-5)),
+            lambda x, w, b: group_norm(x, 6, w, b, 0.5)),
         "kl_div_batchmean": (lambda d: [torch.log_softmax(torch.randn(6, vocab), -1).to(d).requires_grad_(),
                                         torch.softmax(torch.randn(6, vocab), -1).to(d)],
                              lambda i, t: kl_div(i, t, "batchmean")),

@@ -51,7 +51,18 @@ def reference(p, inputs):
     return lambda: masked_sdpa(inputs["q"], inputs["k"], inputs["v"])
 
 
+# liger-kernel 0.8.5 holds every (query, key) score; from 2**31 of them (2 x 16 heads x 8192**2) its
+# kernels read or write out of bounds: an illegal memory access on an H200 (2026-11-28), caught
+# after its 8192-token point in two sweeps (CUDA_LAUNCH_BLOCKING=1: reported after its point,
+# never after Onca's), which ends the whole sweep's process.
+LIGER_MAX_SCORES = (1 << 31) - 1
+
+
 def liger(p, inputs):
+    scores = p["batch"] * p["heads"] * p["seq"] ** 2
+    if scores > LIGER_MAX_SCORES:
+        raise NotImplementedError(f"liger-kernel's neighborhood attention faults at {scores} scores "
+                                  f"(above 2**31 - 1; see LIGER_MAX_SCORES)")
     from liger_kernel.ops.fused_neighborhood_attention import LigerFusedNeighborhoodAttentionFunction
 
     k = p.get("kernel_size", KERNEL)
