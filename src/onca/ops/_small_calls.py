@@ -24,6 +24,10 @@ The LM heads of the post-training losses and of ``fused_linear_logprobs`` (the c
 :mod:`onca.ops._chunked_head`) take the unfused computation the same way, their logits counted as
 the largest tensor: one GEMM, torch's fp32 log-softmax and a gather, autograd for the gradient.
 
+Where ``torch.nn.functional``'s Python wrapper only checks what Onca's function has already
+checked (LayerNorm, GroupNorm, embedding, cross entropy), the route calls the ATen op beneath it:
+the same computation, microseconds less host time a call.
+
 The result is torch's, to its rounding: each op's tests compare both routes. Above the limit the
 kernels' fewer passes and smaller saved state pay off wherever the host runs ahead of the GPU (a
 training step), even where an isolated call on a slow host is still bound by its Python path.
