@@ -1054,9 +1054,10 @@ def cross_entropy(
     manage their own buffers). See the module docstring.
     """
     validate_options(ignore_index, label_smoothing, reduction, lse_square_scale, softcap)
-    if not (type(return_z_loss) is bool and type(overwrite_logits) is bool  # one test a call; the
-            and type(return_token_accuracy) is bool and type(return_predicted_tokens) is bool):  # names
-        check_bool(return_z_loss, "return_z_loss")  # where one is wrong
+    # One test a call; each flag is checked by name only where one of them is not a bool.
+    if not (type(return_z_loss) is bool and type(overwrite_logits) is bool
+            and type(return_token_accuracy) is bool and type(return_predicted_tokens) is bool):
+        check_bool(return_z_loss, "return_z_loss")
         check_bool(overwrite_logits, "overwrite_logits")
         check_bool(return_token_accuracy, "return_token_accuracy")
         check_bool(return_predicted_tokens, "return_predicted_tokens")

@@ -420,7 +420,7 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: T
     if small_calls.same_dtype(x, weight, bias) and small_calls.small(x.numel(), x):
         # torch.nn.functional's op without its Python wrapper: the same ATen call, several us less
         # host time a call, and no refusal of one-element groups (its batch-norm-style size check),
-        # which Onca's kernels compute (y = bias) as ATen does.
+        # which Onca's kernels compute (y = bias; ATen to its rounding).
         return torch.group_norm(x, num_groups, weight, bias, eps, torch.backends.cudnn.enabled)
     y, _, _ = group_norm_forward(x.contiguous(), None if weight is None else weight.contiguous(),
                                  None if bias is None else bias.contiguous(), num_groups, float(eps))
