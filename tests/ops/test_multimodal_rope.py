@@ -189,6 +189,25 @@ def test_tiled_path(profile, device, onchip_bytes):
         check(q, k, cos, sin, shape[-1], interleaved)
 
 
+def test_gpu_tile_in_steps_of_four_heads(device, monkeypatch):
+    """The GPU profile's tile for 12 query heads (3 steps of 4, not 2 of 8: Qwen2-VL-2B's count),
+    run on the interpreter (or the GPU itself) against the reference."""
+    from onca import device as onca_device
+    from onca.ops import rope
+
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
+    onca_device.reset()
+    try:
+        shape = (1, 3, 12, 2, 32, (4, 6, 6))
+        t = rope.tiles(3, 12, 2, 32, 32, torch.bfloat16)
+        assert (t.block_hq, t.block_hk) == (4, 2)
+        for interleaved in (False, True):
+            check(*make(shape, torch.bfloat16, device), shape[-1], interleaved)
+    finally:
+        monkeypatch.delenv("ONCA_DEVICE_PROFILE")
+        onca_device.reset()
+
+
 def test_unused_k_and_no_table_gradient(device):
     shape = SHAPES[0]
     q, k, cos, sin = make(shape, torch.float32, device)
