@@ -237,8 +237,9 @@ def test_gpu_programs_step_over_heads_eight_at_a_time():
         assert op.tiles(8192, 4, 2, 128, 128, torch.bfloat16, PROFILES[name]).block_hq == 4
 
 
-@pytest.mark.parametrize("hq, hk, blocks", [(28, 4, (4, 4)), (12, 2, (4, 2)), (20, 4, (4, 4)), (14, 2, (8, 2)),
-                                            (40, 8, (8, 8)), (3, 1, (4, 1)), (6, 6, (8, 8))])
+@pytest.mark.parametrize("hq, hk, blocks", [(28, 4, (4, 4)), (12, 2, (4, 2)), (20, 4, (4, 4)),
+                                            (14, 2, (8, 2)), (40, 8, (8, 8)), (3, 1, (4, 1)),
+                                            (6, 6, (8, 8))])
 def test_gpu_head_steps_leave_fewest_idle_lanes(hq, hk, blocks):
     """Steps of 4 heads where the last step of 8 would leave more idle lanes (28 heads: 7 x 4, not
     4 x 8); elsewhere 8 (14 or 6 heads: 16 lanes either way). Ascend keeps the planner's tile."""
