@@ -208,6 +208,30 @@ def test_gpu_tile_in_steps_of_four_heads(device, monkeypatch):
         onca_device.reset()
 
 
+def test_gpu_programs_of_two_warps(device, monkeypatch):
+    """On a GPU profile multimodal RoPE's programs run 2 warps where the tile has more (plain RoPE
+    keeps the tile's), forward and backward, and still match the reference."""
+    from onca import device as onca_device
+    from onca.ops import rope
+
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
+    onca_device.reset()
+    try:
+        shape = (1, 4, 28, 4, 64, (8, 12, 12))
+        q, k, cos, sin = make(shape, torch.bfloat16, device)
+        tile_warps = rope.tiles(4, 28, 4, 64, 64, torch.bfloat16).plan.num_warps
+        assert tile_warps > rope.MROPE_GPU_WARPS
+        for backward in (False, True):
+            for mrope, (c, s) in ((1, (cos, sin)), (0, (cos[0], sin[0]))):
+                config = rope._launch_config(q, k, c, s, q, k, True, backward, False, mrope,
+                                             shape[-1] if mrope else (0, 0, 0), False, False)
+                assert config[2]["num_warps"] == (rope.MROPE_GPU_WARPS if mrope else tile_warps)
+        check(q, k, cos, sin, shape[-1], False)
+    finally:
+        monkeypatch.delenv("ONCA_DEVICE_PROFILE")
+        onca_device.reset()
+
+
 def test_unused_k_and_no_table_gradient(device):
     shape = SHAPES[0]
     q, k, cos, sin = make(shape, torch.float32, device)
