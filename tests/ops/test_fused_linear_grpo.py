@@ -16,6 +16,7 @@ from tests.ops.posttrain_reference import (
     logps64,
     make_inputs,
 )
+from tests.contract import assert_op_contract
 
 
 def reference_grpo(logp, old, ref, adv, mask, loss_type, beta, eps_low, eps_high, level="token", delta=None,
@@ -107,9 +108,59 @@ def test_bad_input(device):
         fused_linear_grpo(h, w, labels, adv, importance_sampling_level="group")
 
 
-def test_op_contract(device):
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_op_contract(device, level):
+    """Token-level ratios on the token chunks (the op opchecked here: no other test does), sequence
+    level on the chunk driver."""
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
     adv, old, ref = (torch.randn(2, device=device), torch.randn(2, 5, device=device) - 3,
                      torch.randn(2, 5, device=device) - 3)
-    fn = lambda h, w, labels: fused_linear_grpo(h, w, labels, adv, old, ref, beta=0.04, chunk_tokens=4)
-    assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels))
+    fn = lambda h, w, labels: fused_linear_grpo(h, w, labels, adv, old, ref, beta=0.04, chunk_tokens=4,
+                                                importance_sampling_level=level)
+    inputs = (h.requires_grad_(), w.requires_grad_(), labels)
+    if level == "token":
+        assert_op_contract(fn, inputs, expect_ops={"token_loss_forward"})
+    else:
+        assert_loss_contract(fn, inputs)
+
+
+def _head_matmuls(monkeypatch) -> list:
+    """Every head-logits matmul of either path, counted."""
+    from onca.ops import _chunked_head
+
+    calls = []
+    logits = _chunked_head.head_logits
+    monkeypatch.setattr(_chunked_head, "head_logits", lambda *a: calls.append(1) or logits(*a))
+    return calls
+
+
+@pytest.mark.parametrize("case", ["off_policy", "on_policy", "two_sided", "kl"])
+def test_token_chunks_match_the_chunk_driver(monkeypatch, device, case, poisoned_empty):
+    """The gradient-in-forward token chunks give the chunk driver's loss and gradients (autograd
+    through the same formulas), ties of the clipped objective included (on-policy: every ratio 1),
+    on half its head matmuls (the logits once, not again in the backward); no buffer is read
+    before it is written (``poisoned_empty``)."""
+    from onca.ops import fused_linear_grpo as module
+
+    h, w, b, labels = make_inputs(BASE, torch.float32, device, bias=True, empty_row=1)
+    n, t = labels.shape
+    adv = torch.randn(n, t, device=device)
+    adv[0, :3] = 0.0
+    old = None if case == "on_policy" else torch.randn(n, t, device=device) * 0.3 - 5.0
+    ref = torch.randn(n, t, device=device) - 5.0
+    kw = dict(delta=1.1 if case == "two_sided" else None, beta=0.05 if case == "kl" else 0.0,
+              ref_logps=ref if case == "kl" else None, chunk_tokens=CHUNK, temperature=0.9)
+    results = []
+    for token_chunks in (True, False):
+        monkeypatch.setattr(module, "use_token_chunks", lambda *a, on=token_chunks: on)
+        matmuls = _head_matmuls(monkeypatch)
+        hk, wk, bk = (t_.detach().clone().requires_grad_() for t_ in (h, w, b))
+        loss = fused_linear_grpo(hk, wk, labels, adv, old, bias=bk, **kw)
+        loss.backward()
+        results.append((loss, hk.grad, wk.grad, bk.grad, len(matmuls)))
+    (token, *token_grads, token_mm), (driver, *driver_grads, driver_mm) = results
+    torch.testing.assert_close(token, driver, rtol=1e-5, atol=1e-6)
+    for name, a, b_ in zip(("dhidden", "dweight", "dbias"), token_grads, driver_grads):
+        torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    chunks = -(-labels.numel() // CHUNK)
+    assert (token_mm, driver_mm) == (chunks, 2 * chunks)

@@ -19,9 +19,15 @@ completion mask). ``advantages`` is ``(B,)`` (one per completion, TRL's) or ``(B
 
 (token counts clamped to at least 1; TRL's division by the gradient accumulation steps is the
 caller's). The KL term needs the reference's per-token log-probabilities: ``ref_logps (B, T)``, or
-``ref_hidden``/``ref_weight`` (+ ``ref_bias``) scored here without gradient. The per-token
-log-probabilities (and, with ``return_aux``, entropies) come from the chunk driver
-(:mod:`onca.ops._chunked_head`).
+``ref_hidden``/``ref_weight`` (+ ``ref_bias``) scored here without gradient.
+
+Every aggregation is ``sum_t w[t] * per_token[t]`` with weights ``w`` from the labels alone, so with
+token-level ratios each token's ``dLoss/dlogp`` is known from its own log-probability: the loss
+then runs on token chunks with its gradient in the forward pass (:mod:`onca.ops._token_head`: three
+head matmuls per chunk, the derivative below in closed form). Sequence-level ratios (a token's
+derivative needs its whole sequence), fp16 inputs, calls without a gradient and small calls take the
+chunk driver's per-token log-probabilities (:mod:`onca.ops._chunked_head`: four head matmuls), the
+same formulas differentiated by autograd.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from onca.ops._chunked_head import plan
+from onca.ops._chunked_head import plan, small_head
 from onca.ops._posttrain import check_choice, check_common, policy_logps, reference_logps
-from onca.ops._validate import check_float, check_number
+from onca.ops._token_head import register_token_loss, token_loss, use_token_chunks
+from onca.ops._validate import check_accum_dtype, check_float, check_number
 
 __all__ = ["LOSS_TYPES", "fused_linear_grpo", "plan"]
 
@@ -114,47 +121,95 @@ def fused_linear_grpo(
                                               or max_completion_length < 1):
         raise ValueError(f"max_completion_length must be None or a positive int, got {max_completion_length!r}")
 
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
-                         entropy=return_aux, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
-    logp, mask = logps.per_token, logps.mask.to(torch.float32)
-    old = logp.detach() if old is None else old
-    log_ratio = logp - old
-    if importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_ratio)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-    if beta != 0.0:
-        diff = ref - logp
-        per_token_kl = torch.exp(diff) - diff - 1
-        per_token = per_token + beta * per_token_kl
-    masked = per_token * mask
-    if loss_type == "grpo":
-        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = masked.sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = masked.sum() / (b * (max_completion_length or t))
+    mask = (labels != ignore_index).to(torch.float32)
+    weights = _token_weights(mask, loss_type, max_completion_length, num_items_in_batch)
+    params = [epsilon_low, epsilon_high, -1.0 if delta is None else delta, beta, float(old is not None)]
+    extras = (old if old is not None else mask, adv.expand(b, t), ref if ref is not None else mask)
+    if (importance_sampling_level == "token" and use_token_chunks(hidden, weight, bias)
+            and not small_head(hidden, weight, labels, count=False)):
+        loss, logp, entropy = token_loss(
+            hidden, weight, bias, labels, weights, extras, loss="grpo", params=params,
+            ignore_index=ignore_index, temperature=temperature, entropy=return_aux, chunk_tokens=chunk_tokens,
+            accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))
     else:
-        if num_items_in_batch is None:
-            normaliser = mask.sum().clamp(min=1.0)
-        elif isinstance(num_items_in_batch, Tensor):
-            normaliser = num_items_in_batch.to(device=hidden.device, dtype=torch.float32).clamp(min=1.0)
-        else:
-            check_number(num_items_in_batch, "num_items_in_batch", minimum=1.0)
-            normaliser = float(num_items_in_batch)
-        loss = masked.sum() / normaliser
+        logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
+                             entropy=return_aux, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
+        logp, entropy = logps.per_token, logps.entropy
+        log_ratio = None
+        if importance_sampling_level == "sequence":
+            log_ratio = logp - (logp.detach() if old is None else old)
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        per_token, _ = _grpo_token_loss(logp, extras, params, False, log_ratio=log_ratio)
+        loss = (per_token * weights).sum()
     if not return_aux:
         return loss
+    logp = logp.detach()
     tokens = mask.sum().clamp(min=1.0)
-    ratio = coef_1.detach().expand_as(mask)
+    log_ratio = logp - (logp if old is None else old)
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)
+    ratio = ratio.expand_as(mask)
     low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(torch.float32)
     high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(torch.float32)
-    aux = {"logps": logp.detach(), "entropy": logps.entropy.detach(),
+    aux = {"logps": logp, "entropy": entropy.detach(),
            "clip_ratio_low": (low * mask).sum() / tokens, "clip_ratio_high": (high * mask).sum() / tokens,
            "clip_ratio_region": (torch.clamp(low + high, max=1.0) * mask).sum() / tokens}
     if beta != 0.0:
-        aux["kl"] = (per_token_kl.detach() * mask).sum() / tokens
+        diff = ref - logp
+        aux["kl"] = ((torch.exp(diff) - diff - 1) * mask).sum() / tokens
     return loss, aux
+
+
+def _token_weights(mask: Tensor, loss_type: str, max_completion_length, num_items_in_batch) -> Tensor:
+    """``w`` with ``loss = sum(w * per_token)`` for each aggregation (0 where ignored)."""
+    b, t = mask.shape
+    if loss_type == "grpo":
+        return mask / (mask.sum(-1, keepdim=True).clamp(min=1.0) * b)
+    if loss_type == "bnpo":
+        return mask / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return mask / (b * (max_completion_length or t))
+    if num_items_in_batch is None:
+        return mask / mask.sum().clamp(min=1.0)
+    if isinstance(num_items_in_batch, Tensor):
+        return mask / num_items_in_batch.to(device=mask.device, dtype=torch.float32).clamp(min=1.0)
+    check_number(num_items_in_batch, "num_items_in_batch", minimum=1.0)
+    return mask / float(num_items_in_batch)
+
+
+def _grpo_token_loss(logp: Tensor, extras, params, grads: bool, log_ratio: Tensor | None = None):
+    """Per-token GRPO loss (the clipped objective and the KL term) and, with ``grads``, its
+    derivative w.r.t. ``logp`` in closed form (token-level ratios). ``extras`` are ``(old_logps,
+    advantages, ref_logps)`` per token (the first and last unread where ``params`` says they were
+    not given); ``params`` ``[epsilon_low, epsilon_high, delta (-1: none), beta, old given]``;
+    ``log_ratio`` (sequence level) replaces ``logp - old``. The derivative follows torch's
+    autograd of the same ops: a clamp passes the gradient inside its bounds inclusive, and
+    ``torch.minimum`` to the smaller term, half to each on a tie."""
+    eps_low, eps_high, delta, beta, has_old = params
+    old, adv, ref = extras[0], extras[1], extras[2]
+    if log_ratio is None:
+        log_ratio = logp - (old if has_old else logp.detach())
+    raw = torch.exp(log_ratio)
+    clipped = torch.clamp(raw, 1 - eps_low, 1 + eps_high)
+    ratio = torch.clamp(raw, max=delta) if delta >= 0 else raw
+    unclipped_term, clipped_term = ratio * adv, clipped * adv
+    per_token = -torch.minimum(unclipped_term, clipped_term)
+    if beta:
+        diff = ref - logp
+        per_token = per_token + beta * (torch.exp(diff) - diff - 1)
+    if not grads:
+        return per_token, None
+    d_ratio = raw if delta < 0 else torch.where(raw <= delta, raw, 0.0)
+    d_clipped = torch.where((raw >= 1 - eps_low) & (raw <= 1 + eps_high), raw, 0.0)
+    tie = torch.where(unclipped_term == clipped_term, 0.5, 0.0)
+    share = torch.where(unclipped_term < clipped_term, 1.0, tie)
+    derivative = -adv * (share * d_ratio + (1 - share) * d_clipped)
+    if beta:
+        derivative = derivative + beta * (1 - torch.exp(diff))
+    return per_token, derivative
+
+
+register_token_loss("grpo", _grpo_token_loss)
