@@ -14,7 +14,7 @@ from tools.host_path import HOST_SYNC, measure, stubbed_launches
 LAUNCHES = {
     "attn_res": 3, "cross_entropy": 4, "dyt": 2, "embedding": 2, "fused_add_rms_norm": 2,
     "fused_linear_cpo": 4, "fused_linear_cross_entropy": 5, "fused_linear_distill": 3, "fused_linear_dpo": 5,
-    "fused_linear_grpo": 4, "fused_linear_jsd": 4, "fused_linear_kto": 3, "fused_linear_logprobs": 2,
+    "fused_linear_grpo": 4, "fused_linear_jsd": 4, "fused_linear_kto": 5, "fused_linear_logprobs": 2,
     "fused_linear_orpo": 4, "fused_linear_scaled_cross_entropy": 2, "fused_linear_simpo": 4, "fused_moe": 8,
     "geglu": 2, "group_norm": 3, "grpo_loss": 2, "jsd": 3, "kl_div": 3, "layer_norm": 2, "llama4_rope": 2,
     "mhc": 10, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,

@@ -15,6 +15,7 @@ from tests.ops.posttrain_reference import (
     logps64,
     make_inputs,
 )
+from tests.contract import assert_op_contract
 
 
 def reference_kto(pi, ref, desirable, kl, loss_type, beta, dw=1.0, uw=1.0):
@@ -105,10 +106,68 @@ def test_bad_input(device):
         fused_linear_kto(h, w, labels, flags, h, w, loss_type="sigmoid")
 
 
-def test_op_contract(device):
+@pytest.mark.parametrize("sequence_chunks", [True, False])
+def test_op_contract(monkeypatch, device, sequence_chunks):
+    """On chunks of whole sequences (the op opchecked here), and on the chunk driver."""
+    from onca.ops import fused_linear_kto as module
+
+    monkeypatch.setattr(module, "use_token_chunks", lambda *a: sequence_chunks)
     h, w, _, labels = make_inputs((2, 5, 8, 24), torch.float32, device, prompt=1)
     rh = randn(2, 5, 8, device=device)
     flags = torch.tensor([True, False], device=device)
     fn = lambda h, w, labels, rh: fused_linear_kto(h, w, labels, flags, rh, w.detach(), kl_hidden=rh,
                                                    ref_kl_hidden=h.detach(), kl_labels=labels, chunk_tokens=4)
-    assert_loss_contract(fn, (h.requires_grad_(), w.requires_grad_(), labels, rh))
+    inputs = (h.requires_grad_(), w.requires_grad_(), labels, rh)
+    if sequence_chunks:
+        assert_op_contract(fn, inputs, expect_ops={"token_loss_forward", "chunked_logprob_forward"})
+    else:
+        assert_loss_contract(fn, inputs)
+
+
+def _head_matmuls(monkeypatch) -> list:
+    from onca.ops import _chunked_head
+
+    calls = []
+    logits = _chunked_head.head_logits
+    monkeypatch.setattr(_chunked_head, "head_logits", lambda *a: calls.append(1) or logits(*a))
+    return calls
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_sequence_chunks_match_the_chunk_driver(monkeypatch, device, loss_type, poisoned_empty):
+    """The gradient-in-forward chunks of whole sequences give the chunk driver's loss, aux and
+    gradients (autograd through the same losses), one logits matmul per chunk and none in the
+    backward; no buffer is read before it is written (``poisoned_empty``)."""
+    from onca.ops import fused_linear_kto as module
+
+    h, w, b, labels = make_inputs(BASE, torch.float32, device, bias=True, empty_row=1)
+    desirable = torch.tensor([True, False, False, True], device=device)
+    ref = torch.randn(4, device=device) - 20
+    results = []
+    for sequence_chunks in (True, False):
+        monkeypatch.setattr(module, "use_token_chunks", lambda *a, on=sequence_chunks: on)
+        matmuls = _head_matmuls(monkeypatch)
+        hk, wk, bk = (t.detach().clone().requires_grad_() for t in (h, w, b))
+        loss, aux = fused_linear_kto(hk, wk, labels, desirable, ref_logps=ref, bias=bk, kl=torch.tensor(0.3),
+                                     beta=0.5, desirable_weight=1.2, undesirable_weight=0.7,
+                                     loss_type=loss_type, chunk_tokens=CHUNK, return_aux=True)
+        loss.backward()
+        results.append((loss, aux["logps"], hk.grad, wk.grad, bk.grad, len(matmuls)))
+    (*token, token_mm), (*driver, driver_mm) = results
+    for name, a, b_ in zip(("loss", "logps", "dhidden", "dweight", "dbias"), token, driver):
+        torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    n, t = labels.shape
+    per_chunk = max(1, CHUNK // t)
+    assert (token_mm, driver_mm) == (-(-n // per_chunk), 2 * -(-n * t // CHUNK))
+
+
+def test_sequences_too_long_for_one_chunk_keep_the_chunk_driver(monkeypatch, device):
+    from onca.ops import _token_head
+
+    h, w, _, labels = make_inputs(BASE, torch.float32, device)
+    h.requires_grad_()
+    row_bytes = w.shape[0] * h.element_size()
+    assert _token_head.use_token_chunks(h, w, None, labels.shape[1])
+    monkeypatch.setattr(_token_head, "MAX_PAIR_SCRATCH_BYTES", labels.shape[1] * row_bytes - 1)
+    assert not _token_head.use_token_chunks(h, w, None, labels.shape[1])
+    assert _token_head.use_token_chunks(h, w, None)  # token chunks: any length

@@ -19,10 +19,10 @@ aggregations, KTO's batch KL, SFT's NLL/DFT) are scalar arithmetic on the per-to
 of their logits-sized work (the head matmuls, softmax statistics, the logits' gradient) is this one
 function, which is what Onca's fused post-training losses (``fused_linear_dpo``,
 ``fused_linear_grpo``, ...) are built from (``onca::chunked_logprob_forward`` / ``_backward``;
-where a loss's gradient is known inside the chunk loop, the paired losses and GRPO with token-level
-ratios run the same kernels on chunks that compute it in the forward pass). So with :func:`enable`,
-every TRL trainer runs Onca's fused losses' kernels, with TRL's own options, metrics and scalar
-arithmetic kept as they are.
+where a loss's gradient is known inside the chunk loop, the paired losses, KTO and GRPO with
+token-level ratios run the same kernels on chunks that compute it in the forward pass). So with
+:func:`enable`, every TRL trainer runs Onca's fused losses' kernels, with TRL's own options, metrics
+and scalar arithmetic kept as they are.
 
 It composes with ``onca.apply`` (norms, MLPs, RoPE, the causal-LM loss of the plain forward), in
 either order: ``apply`` wraps TRL's fused-head forward and passes ``fused_lm_head=True`` through.

@@ -51,9 +51,10 @@ composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one 
 per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype);
 the reference model's pass is forward only (1 matmul). The paired losses (DPO, CPO, SimPO, ORPO:
 sums over pairs) take the other way where it pays (:mod:`onca.ops._paired_head`: chunks of whole
-pairs, the per-pair derivatives in closed form, 3 matmuls), and so does GRPO with token-level
-ratios, whose derivative per token needs only the token's own log-probability
-(:mod:`onca.ops._token_head`). ``dWeight`` accumulates over the chunks in
+pairs, the per-pair derivatives in closed form, 3 matmuls), and so do GRPO with token-level
+ratios, whose derivative per token needs only the token's own log-probability, and KTO, whose
+needs only its sequence's sum (:mod:`onca.ops._token_head`: chunks of tokens or of whole
+sequences). ``dWeight`` accumulates over the chunks in
 the weight's dtype by default (liger-kernel's chunked losses do the same): an fp32 accumulator
 (``accum_dtype=torch.float32``, TRL's choice, the default of :func:`fused_linear_logprobs`) and its
 final cast hold three bytes per head element more at the backward's peak (3 GB for a bf16

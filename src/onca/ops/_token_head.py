@@ -1,24 +1,26 @@
-"""Token chunks with the gradient in the forward pass: a loss that is a weighted sum over tokens of
-a function of each token's own log-probability (GRPO with token-level ratios) on three head
-matmuls per chunk instead of the chunk driver's four.
+"""Token or sequence chunks with the gradient in the forward pass: a loss that is a sum over
+tokens of a function of each token's own log-probability (GRPO with token-level ratios), or over
+sequences of a function of each sequence's summed log-probability (KTO), on three head matmuls per
+chunk instead of the chunk driver's four.
 
 The chunk driver (:mod:`onca.ops._chunked_head`) recomputes each chunk's logits in the backward,
 because in general a token's ``dLoss/dlogp`` is known only once every sequence's sum is. For a loss
-``sum_t w[t] * f(logp[t], extras[:, t])`` it is known per token as soon as the token's own
-log-probability is: ``w[t] * f'(logp[t])``, with the weights ``w`` (mask and normalisation, from the
-labels alone) given before the op. So each chunk of tokens runs one matmul for its logits, the
-statistics kernel for its log-probabilities (and entropies), the loss's closed-form derivative, the
-gradient kernel writing ``w[t] * f'(logp[t]) * (onehot - p) / temperature`` over the logits, and the
-two gradient matmuls, as fused linear cross entropy does. The forward pass thus computes
-``dhidden``, ``dweight`` and ``dbias`` for a unit incoming gradient; the backward rescales them
-(:func:`onca.ops.cross_entropy.keep_forward_gradients`).
+``sum_t f(logp[t], extras[:, t])`` it is known per token as soon as the token's own log-probability
+is; for ``sum_s f(sum of logp over sequence s, extras)`` as soon as the sequence's tokens are all in
+the chunk (chunks of whole sequences, ``seq_len`` tokens each). So each chunk runs one matmul for
+its logits, the statistics kernel for its log-probabilities (and entropies), the loss's
+closed-form derivative ``dLoss/dlogp[t]``, the gradient kernel writing ``dLoss/dlogp[t] * (onehot -
+p) / temperature`` over the logits, and the two gradient matmuls, as fused linear cross entropy
+does. The forward pass thus computes ``dhidden``, ``dweight`` and ``dbias`` for a unit incoming
+gradient; the backward rescales them (:func:`onca.ops.cross_entropy.keep_forward_gradients`).
 
-The per-token function is registered by name (:func:`register_token_loss`) by the loss's own
-module; it returns the per-token loss and, when asked, its derivative in closed form (inside a
-custom op autograd is off, and torch.func fails under a dispatch mode: see
-:mod:`onca.ops._paired_head`). Chunks are fused linear cross entropy's (``CHUNK_TOKENS`` tokens of
-logits, twice that with an fp32 weight gradient, capped by the free memory), or ``chunk_tokens``.
-fp16 inputs, calls that want no gradient and small calls keep the chunk driver
+The loss's function is registered by name (:func:`register_token_loss`) by the loss's own module;
+it returns the chunk's loss terms and, when asked, the derivative in closed form (inside a custom op
+autograd is off, and torch.func fails under a dispatch mode: see :mod:`onca.ops._paired_head`).
+Chunks are fused linear cross entropy's (``CHUNK_TOKENS`` tokens of logits, twice that with an fp32
+weight gradient, capped by the free memory), or ``chunk_tokens``, rounded down to whole sequences
+(at least one). fp16 inputs, calls that want no gradient, sequences whose logits would take more
+than :data:`onca.ops._paired_head.MAX_PAIR_SCRATCH_BYTES` and small calls keep the chunk driver
 (:func:`use_token_chunks`), as the paired losses do.
 """
 
@@ -31,14 +33,18 @@ from torch import Tensor
 
 from onca.ops._chunked_head import chunk_loop, launch_grad, launch_stats
 from onca.ops._contract import custom_op, register_autograd
+from onca.ops._paired_head import MAX_PAIR_SCRATCH_BYTES
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.ops.fused_linear_cross_entropy import chunk_plan
+from onca.tiling import ChunkPlan, plan_token_chunks
 
 __all__ = ["TOKEN_LOSSES", "register_token_loss", "token_loss", "use_token_chunks"]
 
-# name -> fn(logp, extras, params, grads) returning (per-token loss, its derivative w.r.t. logp or
-# None when ``grads`` is False), fp32, one per token of the chunk; ``extras`` is ``(E, tokens)``.
+# name -> fn(logp, extras, params, grads) returning (the chunk's loss terms, summed by the op, and
+# the derivative of the loss w.r.t. each logp, or None when ``grads`` is False), fp32. ``logp`` is
+# the chunk's ``(tokens,)``, or ``(sequences, seq_len)`` on sequence chunks; ``extras`` is
+# ``(E, *logp.shape)``.
 TOKEN_LOSSES: dict = {}
 
 
@@ -47,24 +53,39 @@ def register_token_loss(name: str, fn) -> None:
     TOKEN_LOSSES[name] = fn
 
 
-def use_token_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether a token loss takes the gradient-in-forward chunks: a gradient is wanted and the
-    inputs are not fp16 (a unit-scale gradient of ``w * p`` underflows there before a loss scale
-    could lift it)."""
+def use_token_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, seq_len: int = 0) -> bool:
+    """Whether a loss takes the gradient-in-forward chunks: a gradient is wanted, the inputs are not
+    fp16 (a unit-scale gradient of ``w * p`` underflows there before a loss scale could lift it)
+    and, on sequence chunks, one sequence's logits fit ``MAX_PAIR_SCRATCH_BYTES``."""
     wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
                                           or (bias is not None and bias.requires_grad))
-    return wanted and hidden.dtype != torch.float16
+    fits = seq_len * weight.shape[0] * hidden.element_size() <= MAX_PAIR_SCRATCH_BYTES
+    return wanted and hidden.dtype != torch.float16 and fits
+
+
+def _chunks(tokens: int, width: int, vocab: int, dtype: torch.dtype, accum_fp32: bool, chunk_tokens: int,
+            seq_len: int, device) -> ChunkPlan:
+    """Fused linear cross entropy's chunks (or ``chunk_tokens``), whole sequences of ``seq_len``
+    tokens each when it is not 0 (at least one)."""
+    chunks = chunk_plan(tokens, width, vocab, dtype, accum_bytes=4 if accum_fp32 else None,
+                        chunk_tokens=chunk_tokens or None, device=device)
+    if not seq_len:
+        return chunks
+    row_bytes = vocab * torch.empty((), dtype=dtype).element_size()
+    rows = max(1, chunks.chunk // seq_len) * seq_len
+    return plan_token_chunks(tokens, row_bytes, rows * row_bytes, multiple=seq_len)
 
 
 @custom_op("token_loss_forward")
-def token_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, token_weights: Tensor,
-                       extras: Tensor, loss: str, params: list[float], ignore_index: int, temperature: float,
+def token_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, extras: Tensor,
+                       loss: str, params: list[float], seq_len: int, ignore_index: int, temperature: float,
                        entropy: bool, chunk_tokens: int, accum_fp32: bool, grad_hidden: bool, grad_weight: bool,
                        grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, logp, entropy, dhidden, dweight, dbias)`` for the 2-D ``hidden (N, H)`` and
-    ``target (N,)``: the fp32 scalar ``sum(token_weights * f(logp, extras))``, the fp32 per-token
-    log-probabilities (0 where ignored) and entropies (empty unless asked for), and the gradients
-    asked for (empty tensors otherwise) for a unit incoming gradient."""
+    """``(loss, logp, entropy, dhidden, dweight, dbias)`` for the 2-D ``hidden (N, H)``, ``target
+    (N,)`` and ``extras (E, N)``: the fp32 scalar sum of the loss terms of :data:`TOKEN_LOSSES`'s
+    ``loss`` over the chunks (whole sequences of ``seq_len`` tokens unless it is 0), the fp32
+    per-token log-probabilities (0 where ignored) and entropies (empty unless asked for), and the
+    gradients asked for (empty tensors otherwise) for a unit incoming gradient."""
     tokens, width = hidden.shape
     vocab, dev = weight.shape[0], hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -79,18 +100,19 @@ def token_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targ
     grads = grad_hidden or grad_weight or grad_bias
     fn = TOKEN_LOSSES[loss]
     if tokens:
-        chunks = chunk_plan(tokens, width, vocab, hidden.dtype, accum_bytes=4 if accum_fp32 else None,
-                            chunk_tokens=chunk_tokens or None, device=dev)
+        chunks = _chunks(tokens, width, vocab, hidden.dtype, accum_fp32, chunk_tokens, seq_len, dev)
+        shape = (-1, seq_len) if seq_len else (-1,)
 
         def visit(logits, start, end):
             rows = slice(start, end)
             launch_stats(logits, target[rows], logp[rows], lse[rows], ent[rows] if entropy else None, None, None,
                          None, ignore_index, temperature, 0.0, 1.0)
-            per_token, derivative = fn(logp[rows], extras[:, rows], params, grads)
-            total.add_((token_weights[rows] * per_token).sum())
+            chunk_extras = extras[:, rows].view(extras.shape[0], *shape)
+            terms, derivative = fn(logp[rows].view(shape), chunk_extras, params, grads)
+            total.add_(terms.sum())
             if grads:
-                launch_grad(logits, target[rows], lse[rows], None, (token_weights[rows] * derivative).contiguous(),
-                            None, ignore_index, temperature, 0.0, 1.0, vocab=vocab, col_start=0)
+                launch_grad(logits, target[rows], lse[rows], None, derivative.reshape(-1).contiguous(), None,
+                            ignore_index, temperature, 0.0, 1.0, vocab=vocab, col_start=0)
 
         chunk_loop(hidden, weight, bias, chunks, visit, dx=dx, dw=dw, db=db)
     elif dw is not None:
@@ -101,7 +123,7 @@ def token_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targ
 
 
 @token_loss_forward.register_fake
-def _(hidden, weight, bias, target, token_weights, extras, loss, params, ignore_index, temperature, entropy,
+def _(hidden, weight, bias, target, extras, loss, params, seq_len, ignore_index, temperature, entropy,
       chunk_tokens, accum_fp32, grad_hidden, grad_weight, grad_bias):
     tokens, empty = hidden.shape[0], hidden.new_empty(0)
     f32 = dict(dtype=torch.float32)
@@ -127,21 +149,23 @@ def _backward(ctx, grad_loss, *_):
 register_autograd(token_loss_forward, _backward, setup_context=_setup_context)
 
 
-def token_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, token_weights: Tensor, extras,
-               *, loss: str, params, ignore_index: int, temperature: float, entropy: bool,
-               chunk_tokens: int | None, accum_fp32: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def token_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, extras, *, loss: str,
+               params, ignore_index: int, temperature: float = 1.0, entropy: bool = False,
+               sequences: bool = False, chunk_tokens: int | None,
+               accum_fp32: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """The fp32 scalar loss (differentiable w.r.t. ``hidden``, ``weight``, ``bias``), and the
     detached fp32 per-token log-probabilities and entropies (None unless ``entropy``), shaped like
-    ``labels``. ``token_weights`` is shaped like ``labels``; ``extras`` a sequence of tensors
-    shaped like it (detached, read in fp32). Inputs are validated by the caller."""
+    ``labels (B, T)``. ``extras`` is a sequence of tensors shaped like ``labels`` (detached, read in
+    fp32); ``sequences`` runs chunks of whole sequences (rows of ``labels``). Inputs are validated by
+    the caller."""
     grad = torch.is_grad_enabled()
     shape = labels.shape
     stacked = (torch.stack([e.detach().to(torch.float32).reshape(-1) for e in extras]) if extras
                else torch.zeros((0, labels.numel()), dtype=torch.float32, device=hidden.device))
     args = (hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
             bias.contiguous() if bias is not None else None, labels.reshape(-1).contiguous(),
-            token_weights.detach().to(torch.float32).reshape(-1).contiguous(), stacked.contiguous(), loss,
-            [float(p) for p in params], ignore_index, float(temperature), entropy, chunk_tokens or 0, accum_fp32,
+            stacked.contiguous(), loss, [float(p) for p in params], shape[-1] if sequences else 0,
+            ignore_index, float(temperature), entropy, chunk_tokens or 0, accum_fp32,
             grad and hidden.requires_grad, grad and weight.requires_grad,
             grad and bias is not None and bias.requires_grad)
     # The inputs are already in the autocast dtype (check_common): the op's matmuls stay in it.

@@ -124,12 +124,12 @@ def fused_linear_grpo(
     mask = (labels != ignore_index).to(torch.float32)
     weights = _token_weights(mask, loss_type, max_completion_length, num_items_in_batch)
     params = [epsilon_low, epsilon_high, -1.0 if delta is None else delta, beta, float(old is not None)]
-    extras = (old if old is not None else mask, adv.expand(b, t), ref if ref is not None else mask)
+    extras = (old if old is not None else mask, adv.expand(b, t), ref if ref is not None else mask, weights)
     if (importance_sampling_level == "token" and use_token_chunks(hidden, weight, bias)
             and not small_head(hidden, weight, labels, count=False)):
         loss, logp, entropy = token_loss(
-            hidden, weight, bias, labels, weights, extras, loss="grpo", params=params,
-            ignore_index=ignore_index, temperature=temperature, entropy=return_aux, chunk_tokens=chunk_tokens,
+            hidden, weight, bias, labels, extras, loss="grpo", params=params, ignore_index=ignore_index,
+            temperature=temperature, entropy=return_aux, chunk_tokens=chunk_tokens,
             accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))
     else:
         logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
@@ -139,8 +139,8 @@ def fused_linear_grpo(
         if importance_sampling_level == "sequence":
             log_ratio = logp - (logp.detach() if old is None else old)
             log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        per_token, _ = _grpo_token_loss(logp, extras, params, False, log_ratio=log_ratio)
-        loss = (per_token * weights).sum()
+        terms, _ = _grpo_token_loss(logp, extras, params, False, log_ratio=log_ratio)
+        loss = terms.sum()
     if not return_aux:
         return loss
     logp = logp.detach()
@@ -181,15 +181,16 @@ def _token_weights(mask: Tensor, loss_type: str, max_completion_length, num_item
 
 
 def _grpo_token_loss(logp: Tensor, extras, params, grads: bool, log_ratio: Tensor | None = None):
-    """Per-token GRPO loss (the clipped objective and the KL term) and, with ``grads``, its
-    derivative w.r.t. ``logp`` in closed form (token-level ratios). ``extras`` are ``(old_logps,
-    advantages, ref_logps)`` per token (the first and last unread where ``params`` says they were
-    not given); ``params`` ``[epsilon_low, epsilon_high, delta (-1: none), beta, old given]``;
+    """Per-token GRPO loss terms (the clipped objective and the KL term, times the token's weight
+    ``w``) and, with ``grads``, their derivatives w.r.t. ``logp`` in closed form (token-level
+    ratios). ``extras`` are ``(old_logps, advantages, ref_logps, w)`` per token (the first and
+    third unread where ``params`` says they were not given); ``params`` ``[epsilon_low,
+    epsilon_high, delta (-1: none), beta, old given]``;
     ``log_ratio`` (sequence level) replaces ``logp - old``. The derivative follows torch's
     autograd of the same ops: a clamp passes the gradient inside its bounds inclusive, and
     ``torch.minimum`` to the smaller term, half to each on a tie."""
     eps_low, eps_high, delta, beta, has_old = params
-    old, adv, ref = extras[0], extras[1], extras[2]
+    old, adv, ref, weights = extras[0], extras[1], extras[2], extras[3]
     if log_ratio is None:
         log_ratio = logp - (old if has_old else logp.detach())
     raw = torch.exp(log_ratio)
@@ -201,7 +202,7 @@ def _grpo_token_loss(logp: Tensor, extras, params, grads: bool, log_ratio: Tenso
         diff = ref - logp
         per_token = per_token + beta * (torch.exp(diff) - diff - 1)
     if not grads:
-        return per_token, None
+        return weights * per_token, None
     d_ratio = raw if delta < 0 else torch.where(raw <= delta, raw, 0.0)
     d_clipped = torch.where((raw >= 1 - eps_low) & (raw <= 1 + eps_high), raw, 0.0)
     tie = torch.where(unclipped_term == clipped_term, 0.5, 0.0)
@@ -209,7 +210,7 @@ def _grpo_token_loss(logp: Tensor, extras, params, grads: bool, log_ratio: Tenso
     derivative = -adv * (share * d_ratio + (1 - share) * d_clipped)
     if beta:
         derivative = derivative + beta * (1 - torch.exp(diff))
-    return per_token, derivative
+    return weights * per_token, weights * derivative
 
 
 register_token_loss("grpo", _grpo_token_loss)

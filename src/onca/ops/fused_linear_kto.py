@@ -15,8 +15,15 @@ The KL estimate is TRL's ``mean(KL_logps - ref_KL_logps)`` over the batch's mism
 pairs' hidden states (``kl_hidden`` for the policy, ``ref_kl_hidden`` for the reference, both
 scored against ``kl_labels``) and it is computed here without gradient; with neither it is 0
 (TRL without ``calculate_KL``). Sequences are selected by ``torch.where`` on the flag, never
-gathered: no data-dependent shapes. The per-token log-probabilities come from the chunk driver
-(:mod:`onca.ops._chunked_head`).
+gathered: no data-dependent shapes.
+
+A sequence's loss depends on its tokens only through their summed log-probability, so on chunks of
+whole sequences each token's ``dLoss/dlogp`` (its sequence's derivative, in closed form below) is
+known inside the chunk: the loss then computes its gradient in the forward pass
+(:mod:`onca.ops._token_head`: three head matmuls per chunk). fp16 inputs, calls without a gradient,
+sequences too long for one chunk and small calls take the chunk driver's per-token
+log-probabilities (:mod:`onca.ops._chunked_head`: four), the same losses differentiated by
+autograd.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from onca.ops._chunked_head import plan
+from onca.ops._chunked_head import plan, small_head
 from onca.ops._posttrain import (
     check_beta,
     check_choice,
@@ -33,7 +40,8 @@ from onca.ops._posttrain import (
     policy_logps,
     reference_logps,
 )
-from onca.ops._validate import check_number, check_tensor
+from onca.ops._token_head import register_token_loss, token_loss, use_token_chunks
+from onca.ops._validate import check_accum_dtype, check_number, check_tensor
 
 __all__ = ["LOSS_TYPES", "fused_linear_kto", "plan"]
 
@@ -124,21 +132,57 @@ def fused_linear_kto(
                                    chunk_tokens=chunk_tokens).sums
     kl_value = _kl_estimate(kl, kl_hidden, ref_kl_hidden, kl_labels, weight, bias, ref_weight, ref_bias,
                             ignore_index, chunk_tokens, hidden)
-    logps = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-                         accum_dtype=accum_dtype)
-    lr = logps.sums - ref_sums
-    if loss_type == "kto":
-        # A KL given as 0 subtracts nothing (each small op is a host cost of its own at small sizes).
-        margin = lr - kl_value if isinstance(kl_value, Tensor) or kl_value else lr
-        losses = torch.where(desirable, 1 - torch.sigmoid(beta * margin), 1 - torch.sigmoid(-beta * margin))
+    params = [beta, desirable_weight, undesirable_weight, n, float(loss_type == "apo_zero_unpaired")]
+    chunked = use_token_chunks(hidden, weight, bias, labels.shape[1])
+    if chunked and not small_head(hidden, weight, labels, count=False):
+        t = labels.shape[1]
+        kl_tokens = (kl_value.expand(n, t) if isinstance(kl_value, Tensor)
+                     else torch.full((n, t), kl_value, dtype=torch.float32, device=hidden.device))
+        extras = (ref_sums[:, None].expand(n, t), desirable[:, None].expand(n, t), kl_tokens)
+        loss, per_token, _ = token_loss(hidden, weight, bias, labels, extras, loss="kto", params=params,
+                                        ignore_index=ignore_index, sequences=True, chunk_tokens=chunk_tokens,
+                                        accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))
+        sums = per_token.sum(-1)
     else:
-        losses = torch.where(desirable, 1 - torch.sigmoid(beta * lr), torch.sigmoid(beta * lr))
-    if desirable_weight != 1.0 or undesirable_weight != 1.0:
-        losses = torch.where(desirable, float(desirable_weight), float(undesirable_weight)) * losses
-    loss = losses.mean()
+        sums = policy_logps(hidden, weight, labels, bias, ignore_index=ignore_index,
+                            chunk_tokens=chunk_tokens, accum_dtype=accum_dtype).sums
+        loss = _kto_losses(sums - ref_sums, desirable, kl_value, params)[0].sum()
     if not return_aux:
         return loss
     if not isinstance(kl_value, Tensor):
         kl_value = torch.full((), kl_value, dtype=torch.float32, device=hidden.device)
-    return loss, {"logps": logps.sums.detach(), "ref_logps": ref_sums, "rewards": beta * lr.detach(),
+    return loss, {"logps": sums.detach(), "ref_logps": ref_sums, "rewards": beta * (sums.detach() - ref_sums),
                   "desirable": desirable, "kl": kl_value}
+
+
+def _kto_losses(lr: Tensor, desirable: Tensor, kl_value, params, grads: bool = False):
+    """Each sequence's weighted share of the loss (its loss times its class weight over the batch
+    size) from its summed log-ratio ``lr``, and with ``grads`` the share's derivative w.r.t. ``lr``
+    in closed form: ``d(1 - sigmoid(x))/dx = d(sigmoid(-x))/dx = -s (1 - s)`` with ``s =
+    sigmoid(x)``."""
+    beta, desirable_weight, undesirable_weight, n, apo = params
+    # A KL given as 0 subtracts nothing (each small op is a host cost of its own at small sizes).
+    x = beta * (lr if apo or not (isinstance(kl_value, Tensor) or kl_value) else lr - kl_value)
+    s = torch.sigmoid(x)
+    # kto: desirable 1 - sigmoid(x), undesirable 1 - sigmoid(-x) = sigmoid(x); apo_zero_unpaired the
+    # same two expressions.
+    losses = torch.where(desirable, 1 - s, s)
+    if desirable_weight != 1.0 or undesirable_weight != 1.0 or grads:
+        scale = torch.where(desirable, float(desirable_weight), float(undesirable_weight)) / n
+    else:
+        scale = 1.0 / n
+    if not grads:
+        return scale * losses, None
+    derivative = beta * s * (1 - s) * torch.where(desirable, -1.0, 1.0)
+    return scale * losses, scale * derivative
+
+
+def _kto_sequence_loss(logp: Tensor, extras, params, grads: bool):
+    """The token chunks' function (:mod:`onca.ops._token_head`): ``logp`` ``(sequences, T)``,
+    ``extras`` the reference's sums, the flags and the KL estimate, each repeated over the tokens."""
+    ref, desirable, kl = extras[0][:, 0], extras[1][:, 0] > 0.5, extras[2][:, 0]
+    shares, derivative = _kto_losses(logp.sum(-1) - ref, desirable, kl, params, grads)
+    return shares, (derivative[:, None].expand_as(logp) if grads else None)
+
+
+register_token_loss("kto", _kto_sequence_loss)
