@@ -37,3 +37,15 @@ def poisoned_empty(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.fixture
+def head_matmuls(monkeypatch):
+    """Every head-logits matmul of the chunked heads (the chunk driver's, the token chunks'),
+    counted: a list that grows by one per call."""
+    from onca.ops import _chunked_head
+
+    calls = []
+    logits = _chunked_head.head_logits
+    monkeypatch.setattr(_chunked_head, "head_logits", lambda *a: calls.append(1) or logits(*a))
+    return calls

@@ -124,18 +124,8 @@ def test_op_contract(device, level):
         assert_loss_contract(fn, inputs)
 
 
-def _head_matmuls(monkeypatch) -> list:
-    """Every head-logits matmul of either path, counted."""
-    from onca.ops import _chunked_head
-
-    calls = []
-    logits = _chunked_head.head_logits
-    monkeypatch.setattr(_chunked_head, "head_logits", lambda *a: calls.append(1) or logits(*a))
-    return calls
-
-
 @pytest.mark.parametrize("case", ["off_policy", "on_policy", "two_sided", "kl"])
-def test_token_chunks_match_the_chunk_driver(monkeypatch, device, case, poisoned_empty):
+def test_token_chunks_match_the_chunk_driver(monkeypatch, device, case, poisoned_empty, head_matmuls):
     """The gradient-in-forward token chunks give the chunk driver's loss and gradients (autograd
     through the same formulas), ties of the clipped objective included (on-policy: every ratio 1),
     on half its head matmuls (the logits once, not again in the backward); no buffer is read
@@ -153,11 +143,11 @@ def test_token_chunks_match_the_chunk_driver(monkeypatch, device, case, poisoned
     results = []
     for token_chunks in (True, False):
         monkeypatch.setattr(module, "use_token_chunks", lambda *a, on=token_chunks: on)
-        matmuls = _head_matmuls(monkeypatch)
+        head_matmuls.clear()
         hk, wk, bk = (t_.detach().clone().requires_grad_() for t_ in (h, w, b))
         loss = fused_linear_grpo(hk, wk, labels, adv, old, bias=bk, **kw)
         loss.backward()
-        results.append((loss, hk.grad, wk.grad, bk.grad, len(matmuls)))
+        results.append((loss, hk.grad, wk.grad, bk.grad, len(head_matmuls)))
     (token, *token_grads, token_mm), (driver, *driver_grads, driver_mm) = results
     torch.testing.assert_close(token, driver, rtol=1e-5, atol=1e-6)
     for name, a, b_ in zip(("dhidden", "dweight", "dbias"), token_grads, driver_grads):

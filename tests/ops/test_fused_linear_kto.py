@@ -124,17 +124,9 @@ def test_op_contract(monkeypatch, device, sequence_chunks):
         assert_loss_contract(fn, inputs)
 
 
-def _head_matmuls(monkeypatch) -> list:
-    from onca.ops import _chunked_head
-
-    calls = []
-    logits = _chunked_head.head_logits
-    monkeypatch.setattr(_chunked_head, "head_logits", lambda *a: calls.append(1) or logits(*a))
-    return calls
-
-
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
-def test_sequence_chunks_match_the_chunk_driver(monkeypatch, device, loss_type, poisoned_empty):
+def test_sequence_chunks_match_the_chunk_driver(monkeypatch, device, loss_type, poisoned_empty,
+                                                head_matmuls):
     """The gradient-in-forward chunks of whole sequences give the chunk driver's loss, aux and
     gradients (autograd through the same losses), one logits matmul per chunk and none in the
     backward; no buffer is read before it is written (``poisoned_empty``)."""
@@ -146,13 +138,13 @@ def test_sequence_chunks_match_the_chunk_driver(monkeypatch, device, loss_type, 
     results = []
     for sequence_chunks in (True, False):
         monkeypatch.setattr(module, "use_token_chunks", lambda *a, on=sequence_chunks: on)
-        matmuls = _head_matmuls(monkeypatch)
+        head_matmuls.clear()
         hk, wk, bk = (t.detach().clone().requires_grad_() for t in (h, w, b))
         loss, aux = fused_linear_kto(hk, wk, labels, desirable, ref_logps=ref, bias=bk, kl=torch.tensor(0.3),
                                      beta=0.5, desirable_weight=1.2, undesirable_weight=0.7,
                                      loss_type=loss_type, chunk_tokens=CHUNK, return_aux=True)
         loss.backward()
-        results.append((loss, aux["logps"], hk.grad, wk.grad, bk.grad, len(matmuls)))
+        results.append((loss, aux["logps"], hk.grad, wk.grad, bk.grad, len(head_matmuls)))
     (*token, token_mm), (*driver, driver_mm) = results
     for name, a, b_ in zip(("loss", "logps", "dhidden", "dweight", "dbias"), token, driver):
         torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
