@@ -40,8 +40,8 @@ from onca.ops._matmul import accumulate_dw
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 
-__all__ = ["ALIGNED_WHEN_SMALL", "PAIR_LOSSES", "pair_chunks", "paired_loss", "register_pair_loss", "stack_extras",
-           "use_paired_chunks"]
+__all__ = ["ALIGNED_WHEN_SMALL", "PAIR_LOSSES", "forward_gradients_apply", "pair_chunks", "paired_loss",
+           "register_pair_loss", "stack_extras", "use_paired_chunks"]
 
 # name -> fn(chosen_sums, rejected_sums, counts, extras, loss_type, params, grads) returning
 # (per-pair losses, their derivatives w.r.t. chosen_sums, w.r.t. rejected_sums), fp32, one per pair
@@ -85,13 +85,20 @@ def pair_chunks(pairs: int, seq: int, vocab: int, dtype: torch.dtype, *, chunk_p
     return min(pairs, max(1, GRAD_TILE_TOKENS // (2 * seq)))
 
 
-def use_paired_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_tokens: int | None) -> bool:
-    """Whether a paired loss takes the pair-aligned path: a gradient is wanted, the inputs are not
-    fp16, no ``chunk_tokens`` override (which names the two-pass driver's token chunks) and one
-    pair's logits fit (:func:`pair_chunks`)."""
+def forward_gradients_apply(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """The rule every gradient-in-forward chunk path shares (here and :mod:`onca.ops._token_head`):
+    a gradient is wanted, and the inputs are not fp16 (a unit-scale gradient of ``c * p``
+    underflows there before a loss scale could lift it)."""
     wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
                                           or (bias is not None and bias.requires_grad))
-    if not wanted or hidden.dtype == torch.float16 or chunk_tokens is not None:
+    return wanted and hidden.dtype != torch.float16
+
+
+def use_paired_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_tokens: int | None) -> bool:
+    """Whether a paired loss takes the pair-aligned path: :func:`forward_gradients_apply`, no
+    ``chunk_tokens`` override (which names the two-pass driver's token chunks) and one pair's
+    logits fit (:func:`pair_chunks`)."""
+    if chunk_tokens is not None or not forward_gradients_apply(hidden, weight, bias):
         return False
     pairs, seq = hidden.shape[0] // 2, hidden.shape[1]
     return pair_chunks(pairs, seq, weight.shape[0], hidden.dtype) is not None

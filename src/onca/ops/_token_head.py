@@ -33,7 +33,7 @@ from torch import Tensor
 
 from onca.ops._chunked_head import chunk_loop, launch_grad, launch_stats
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._paired_head import MAX_PAIR_SCRATCH_BYTES
+from onca.ops._paired_head import MAX_PAIR_SCRATCH_BYTES, forward_gradients_apply
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
 from onca.ops.fused_linear_cross_entropy import chunk_plan
@@ -54,13 +54,11 @@ def register_token_loss(name: str, fn) -> None:
 
 
 def use_token_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, seq_len: int = 0) -> bool:
-    """Whether a loss takes the gradient-in-forward chunks: a gradient is wanted, the inputs are not
-    fp16 (a unit-scale gradient of ``w * p`` underflows there before a loss scale could lift it)
-    and, on sequence chunks, one sequence's logits fit ``MAX_PAIR_SCRATCH_BYTES``."""
-    wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                          or (bias is not None and bias.requires_grad))
+    """Whether a loss takes the gradient-in-forward chunks: the paired path's rule
+    (:func:`onca.ops._paired_head.forward_gradients_apply`) and, on sequence chunks, one sequence's
+    logits within ``MAX_PAIR_SCRATCH_BYTES``."""
     fits = seq_len * weight.shape[0] * hidden.element_size() <= MAX_PAIR_SCRATCH_BYTES
-    return wanted and hidden.dtype != torch.float16 and fits
+    return fits and forward_gradients_apply(hidden, weight, bias)
 
 
 def _chunks(tokens: int, width: int, vocab: int, dtype: torch.dtype, accum_fp32: bool, chunk_tokens: int,
