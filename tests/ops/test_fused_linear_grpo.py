@@ -154,3 +154,20 @@ def test_token_chunks_match_the_chunk_driver(monkeypatch, device, case, poisoned
         torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     chunks = -(-labels.numel() // CHUNK)
     assert (token_mm, driver_mm) == (chunks, 2 * chunks)
+
+
+def test_token_chunks_hold_at_least_the_minimum_logits():
+    """A small vocabulary takes longer chunks (each chunk's loss terms cost launches whatever its
+    size); a large one keeps fused linear cross entropy's; sequence chunks round down to whole
+    sequences; ``chunk_tokens`` decides when given."""
+    from onca.ops import _token_head
+    from onca.ops.fused_linear_cross_entropy import CHUNK_TOKENS
+
+    def chunk(vocab, seq_len=0, chunk_tokens=0):
+        return _token_head._chunks(8192, 4096, vocab, torch.bfloat16, False, chunk_tokens, seq_len,
+                                   torch.device("cpu")).chunk
+
+    assert chunk(128256) == CHUNK_TOKENS
+    assert chunk(32000) > CHUNK_TOKENS and chunk(32000) >= _token_head.MIN_CHUNK_LOGITS // 32000 - 15
+    assert chunk(32000, seq_len=1024) == 2048
+    assert chunk(32000, chunk_tokens=256) == 256

@@ -18,7 +18,8 @@ The loss's function is registered by name (:func:`register_token_loss`) by the l
 it returns the chunk's loss terms and, when asked, the derivative in closed form (inside a custom op
 autograd is off, and torch.func fails under a dispatch mode: see :mod:`onca.ops._paired_head`).
 Chunks are fused linear cross entropy's (``CHUNK_TOKENS`` tokens of logits, twice that with an fp32
-weight gradient, capped by the free memory), or ``chunk_tokens``, rounded down to whole sequences
+weight gradient, capped by the free memory), at least ``MIN_CHUNK_LOGITS`` logits (a small
+vocabulary takes more tokens per chunk), or ``chunk_tokens``, rounded down to whole sequences
 (at least one). fp16 inputs, calls that want no gradient, sequences whose logits would take more
 than :data:`onca.ops._paired_head.MAX_PAIR_SCRATCH_BYTES` and small calls keep the chunk driver
 (:func:`use_token_chunks`), as the paired losses do.
@@ -36,7 +37,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._paired_head import MAX_PAIR_SCRATCH_BYTES, forward_gradients_apply
 from onca.ops._validate import autocast_enabled
 from onca.ops.cross_entropy import keep_forward_gradients, take_forward_gradients
-from onca.ops.fused_linear_cross_entropy import chunk_plan
+from onca.ops.fused_linear_cross_entropy import CHUNK_TOKENS, chunk_plan
 from onca.tiling import ChunkPlan, plan_token_chunks
 
 __all__ = ["TOKEN_LOSSES", "register_token_loss", "token_loss", "use_token_chunks"]
@@ -61,12 +62,22 @@ def use_token_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, seq_le
     return fits and forward_gradients_apply(hidden, weight, bias)
 
 
+# Each chunk also pays for its loss's closed-form terms and derivative: some 25 elementwise launches
+# on the chunk's tokens, about 80 us of an H200's device time whatever the chunk's size. At fused
+# linear cross entropy's 1024 tokens of a 32000 vocabulary that is 7% of a GRPO step (8192 tokens,
+# hidden 4096: 0.91x torch.compile, 2026-11-28), so a chunk holds at least this many logits (1024
+# tokens of a 64k vocabulary: twice the tokens at 32000, the scratch of 512 tokens of a 128k one).
+MIN_CHUNK_LOGITS = 1 << 26
+
+
 def _chunks(tokens: int, width: int, vocab: int, dtype: torch.dtype, accum_fp32: bool, chunk_tokens: int,
             seq_len: int, device) -> ChunkPlan:
-    """Fused linear cross entropy's chunks (or ``chunk_tokens``), whole sequences of ``seq_len``
-    tokens each when it is not 0 (at least one)."""
+    """Fused linear cross entropy's chunks, at least ``MIN_CHUNK_LOGITS`` logits each (or
+    ``chunk_tokens`` tokens), whole sequences of ``seq_len`` tokens each when it is not 0 (at
+    least one)."""
+    target = max(CHUNK_TOKENS, MIN_CHUNK_LOGITS // max(1, vocab))
     chunks = chunk_plan(tokens, width, vocab, dtype, accum_bytes=4 if accum_fp32 else None,
-                        chunk_tokens=chunk_tokens or None, device=device)
+                        chunk_tokens=chunk_tokens or None, device=device, target_tokens=target)
     if not seq_len:
         return chunks
     row_bytes = vocab * torch.empty((), dtype=dtype).element_size()
