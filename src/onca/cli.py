@@ -140,6 +140,13 @@ def cmd_bench(args) -> int:
             print("\nHost overhead (16 tokens, full mode, wall clock per call):\n")
             print(overhead)
         return 0
+    if targets[:1] == ["merge"]:
+        if len(targets) < 2:
+            print("usage: onca bench merge RUN_DIR [RUN_DIR ...] [--out DIR]", file=sys.stderr)
+            return 2
+        for line in records.merge_runs(targets[1:], args.out):
+            print(line)
+        return 0
     if targets[:1] == ["plot"]:
         if len(targets) != 2:
             print("usage: onca bench plot CSV", file=sys.stderr)
@@ -148,7 +155,8 @@ def cmd_bench(args) -> int:
             print(path)
         return 0
     if not targets:
-        print("onca bench: name an op, 'all', 'plot CSV', 'summary CSV', or use --list", file=sys.stderr)
+        print("onca bench: name an op, 'all', 'plot CSV', 'summary CSV', 'merge RUN_DIR...', or use --list",
+              file=sys.stderr)
         return 2
     ops = harness.list_ops() if targets == ["all"] else targets
     unknown = [op for op in ops if op not in harness.list_ops()]
@@ -326,8 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark ops against torch, torch.compile and liger-kernel",
                            parents=[debug],
                            description="onca bench OP|all [options], onca bench plot CSV, "
-                                       "onca bench summary CSV, onca bench --list")
-    bench.add_argument("targets", nargs="*", help="op names, 'all', 'plot CSV' or 'summary CSV'")
+                                       "onca bench summary CSV, onca bench merge RUN_DIR... [--out DIR], "
+                                       "onca bench --list")
+    bench.add_argument("targets", nargs="*",
+                       help="op names, 'all', 'plot CSV', 'summary CSV' or 'merge RUN_DIR...' (the "
+                            "runs' whole points into --out)")
     bench.add_argument("--list", action="store_true", help="list the ops that have benchmarks")
     bench.add_argument("--sweep", choices=["d1", "d2", "overhead", "all"], default="all",
                        help="d1 (one dimension), d2 (model shapes), overhead (16 tokens, wall clock) or all")

@@ -598,3 +598,45 @@ def test_trl_peer_of_the_fused_head_benchmark(device):
     new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
     assert {p.status for r in new if r.metric_name == "speed" for p in r.points} == {"ok"}
     assert {r.kernel_provider for r in new} == {"onca", "trl"}
+
+
+def _run_record(provider, xs, ms, metric="speed", timestamp="2026-03-01T00:00:00+00:00", x_name="n"):
+    unit = "ms" if metric == "speed" else "MB"
+    return records.Record("toy", provider, metric, unit, "NVIDIA H200", x_name, x_name, timestamp, "full",
+                          "toy", "0.1", "d1", "bfloat16", [records.Point(x, ms) for x in xs])
+
+
+def test_merge_keeps_the_points_every_provider_reached_and_the_later_run(tmp_path, capsys):
+    from onca import cli
+
+    first, second, data = tmp_path / "first", tmp_path / "second", tmp_path / "data"
+    name = "toy-nvidia-h200-bfloat16.json"
+    # The first run was cut at x=8: torch never reached it (nor the "m" sweep after it); onca's
+    # memory point there goes too.
+    records.write_json(str(first / name), [_run_record("onca", [4, 8], 1.0), _run_record("torch", [4], 2.0),
+                                           _run_record("onca", [4, 8], 10.0, "memory"),
+                                           _run_record("onca", [16], 1.0, x_name="m")])
+    later, earlier = "2026-04-01T00:00:00+00:00", "2026-01-01T00:00:00+00:00"
+    records.write_json(str(second / name), [_run_record("onca", [8], 0.5, timestamp=later),
+                                            _run_record("torch", [8], 3.0, timestamp=later)])
+    records.write_json(str(data / name), [_run_record("onca", [2], 7.0, timestamp=earlier)])
+    kept, dropped = records.whole_points(records.read_json(str(first / name)))
+    assert dropped == [("toy", "d1", "full", "16"), ("toy", "d1", "full", "8")]
+    assert {(r.kernel_provider, r.metric_name, p.x) for r in kept for p in r.points} == {
+        ("onca", "speed", 4), ("torch", "speed", 4), ("onca", "memory", 4)}
+
+    assert cli.main(["bench", "merge", str(first), str(second), "--out", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "1 points; left out (cut before every provider ran): d1 full 16, d1 full 8" in out
+    merged = {(r.kernel_provider, r.metric_name): {p.x: p.y50 for p in r.points}
+              for r in records.read_json(str(data / name))}
+    assert merged[("onca", "speed")] == {2: 7.0, 4: 1.0, 8: 0.5}  # earlier data kept, the runs added
+    assert merged[("torch", "speed")] == {4: 2.0, 8: 3.0}
+    assert merged[("onca", "memory")] == {4: 10.0}
+    rows = records.read_csv(str(data / "results.csv"))
+    assert sorted((r["kernel_provider"], r["metric_name"], r["x_value"]) for r in rows) == [
+        ("onca", "memory", "4"), ("onca", "speed", "4"), ("onca", "speed", "8"), ("torch", "speed", "4"),
+        ("torch", "speed", "8")]
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["bench", "merge", str(tmp_path / "empty"), "--out", str(data)]) == 1
+    assert "empty: no benchmark JSON" in capsys.readouterr().err

@@ -205,3 +205,57 @@ def write_json(path: str, records: list[Record]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump([r.to_json() for r in records], f, indent=1)
+
+
+def whole_points(recs: list[Record]) -> tuple[list[Record], list[tuple]]:
+    """``recs`` (one run's) with only the points that every provider of the run (of the point's
+    mode) reached, and the points left out as ``(op, sweep, mode, x)``. A run cut by a time limit
+    leaves points that some providers ran and others never reached, or a sweep that a slow peer
+    never started; their rows would compare nothing side by side. A point a provider reached but
+    could not run (``skipped``, ``oom``, ``error``) counts as reached."""
+    def run_of(r):
+        return r.kernel_name, r.kernel_operation_mode, r.gpu_name, r.dtype
+
+    providers: dict[tuple, set] = {}
+    reached: dict[tuple, dict[str, set]] = {}  # (run, sweep, x axis) -> provider -> x values
+    for r in recs:
+        if r.metric_name == "speed":
+            providers.setdefault(run_of(r), set()).add(r.kernel_provider)
+            seen = reached.setdefault((run_of(r), r.sweep, r.x_name), {})
+            seen.setdefault(r.kernel_provider, set()).update(_x_key(p.x) for p in r.points)
+    whole, dropped = {}, set()
+    for key, seen in reached.items():
+        every = set.union(*seen.values())
+        whole[key] = {x for x in every if all(x in seen.get(p, ()) for p in providers[key[0]])}
+        dropped.update((key[0][0], key[1], key[0][1], x) for x in every - whole[key])
+    kept = []
+    for r in recs:
+        points = [p for p in r.points if _x_key(p.x) in whole.get((run_of(r), r.sweep, r.x_name), set())]
+        if points:
+            kept.append(dataclasses.replace(r, points=points))
+    return kept, sorted(dropped)
+
+
+def merge_runs(run_dirs: list[str], into: str) -> list[str]:
+    """Bring the results of ``onca bench --out DIR`` runs into the results directory ``into`` (the
+    committed ``benchmarks/data``): each run's whole points (:func:`whole_points`) are appended to
+    ``into``'s ``results.csv`` and merged into its JSON of the same name, the runs in the order
+    given (a later run's point replaces an earlier one's). Returns a line per run and file: the
+    points kept and those left out."""
+    lines, merged = [], {}
+    for run in run_dirs:
+        names = sorted(n for n in os.listdir(run) if n.endswith(".json"))
+        if not names:
+            raise FileNotFoundError(f"{run}: no benchmark JSON (onca bench --out writes OP-GPU-DTYPE.json)")
+        for name in names:
+            kept, dropped = whole_points(read_json(os.path.join(run, name)))
+            append_csv(os.path.join(into, "results.csv"), kept)
+            merged.setdefault(name, []).extend(kept)
+            points = {(r.sweep, r.kernel_operation_mode, _x_key(p.x)) for r in kept for p in r.points}
+            left = "; left out (cut before every provider ran): " + ", ".join(
+                f"{sweep} {mode} {x}" for _, sweep, mode, x in dropped) if dropped else ""
+            lines.append(f"{run}/{name}: {len(points)} points{left}")
+    for name, recs in merged.items():
+        path = os.path.join(into, name)
+        write_json(path, merge(read_json(path) + recs))
+    return lines
