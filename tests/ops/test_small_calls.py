@@ -23,6 +23,7 @@ from onca.ops.embedding import embedding
 from onca.ops._chunked_head import chunked_logprobs
 from onca.ops.fused_linear_cpo import fused_linear_cpo
 from onca.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from onca.ops.fused_linear_distill import fused_linear_distill
 from onca.ops.fused_linear_dpo import fused_linear_dpo
 from onca.ops.fused_linear_grpo import fused_linear_grpo
 from onca.ops.fused_linear_kto import fused_linear_kto
@@ -239,7 +240,38 @@ def _stacked(out):
     return torch.stack([t.to(out.log_probs.dtype) for t in out if t is not None])
 
 
+def _teacher_inputs(d, dtype=F32):
+    """A student head's inputs, then a teacher's of another width (no gradients) over its tokens."""
+    return _head_inputs(d, dtype) + [_tensor((4, 6, 12), dtype, d, grad=False),
+                                     _tensor((24, 12), dtype, d, grad=False, scale=0.5)]
+
+
+def _distill(divergence, **kw):
+    """A distillation call of ``divergence``: the loss, then its soft and hard parts (detached)."""
+    def call(h, w, y, th, tw, b=None):
+        loss, aux = fused_linear_distill(h, w, th, tw, y, student_bias=b, divergence=divergence,
+                                         return_aux=True, **kw)
+        return torch.stack((loss, aux["soft_loss"], aux["hard_loss"]))
+    return call
+
+
 HEAD_CASES = {
+    "distill_forward_kl_hard_temperature_bias": (
+        lambda d: _teacher_inputs(d) + [_tensor(24, F32, d)],
+        _distill("forward_kl", temperature=1.7, weight_hard_loss=0.4, weight_soft_loss=0.6)),
+    # The kernels' logits are fp32 products of the bf16 operands; torch's route rounds them to bf16,
+    # as a model's own head does: the losses agree to bf16's rounding.
+    "distill_reverse_kl_bf16": (
+        lambda d: _teacher_inputs(d, BF16), lambda *a: _distill("reverse_kl", temperature=0.8)(*a).to(BF16)),
+    "distill_jsd": (_teacher_inputs, _distill("jsd", beta=0.3, weight_hard_loss=0.5)),
+    "distill_jsd_beta_0_and_1": (
+        _teacher_inputs,
+        lambda *a: torch.cat((_distill("jsd", beta=0.0)(*a), _distill("jsd", beta=1.0)(*a)))),
+    "distill_every_token_ignored": (  # 0 and no gradient on both routes, where a mean would be NaN
+        lambda d: [t.fill_(-100) if t.dtype == torch.long else t for t in _teacher_inputs(d)],
+        _distill("forward_kl", weight_hard_loss=0.5)),
+    "distill_cosine_no_labels": (
+        _teacher_inputs, lambda h, w, y, th, tw: _distill("cosine")(h, w, None, th, tw)),
     "chunked_logprobs_temperature_bias": (
         lambda d: _head_inputs(d) + [_tensor(24, F32, d)],
         lambda h, w, y, b: torch.stack(chunked_logprobs(h, w, y, b, temperature=0.7, entropy=True))),
@@ -445,3 +477,22 @@ def test_the_limit_is_set_by_name_and_checked(monkeypatch):
     assert small_calls._limit_from_environment() == 4096
     monkeypatch.delenv("ONCA_SMALL_CALL_LIMIT")
     assert small_calls._limit_from_environment() == small_calls.DEFAULT_LIMIT
+
+
+def test_distillation_under_autocast_takes_torchs_route_on_its_cast_inputs(device, route, onca_ops):
+    """Distillation casts its inputs to the autocast dtype before anything else (as fused linear
+    cross entropy does), so a small call takes torch's route under autocast too, and agrees with
+    the kernels on the same cast inputs."""
+    inputs = _teacher_inputs(device)
+    call = _distill("forward_kl", weight_hard_loss=0.3)
+    with torch.autocast(device, dtype=BF16):
+        routed, grads = _run(call, inputs)
+    assert onca_ops == []
+    small_calls.set_limit(0)
+    with torch.autocast(device, dtype=BF16):
+        kernels, want = _run(call, inputs)
+    assert onca_ops and routed.dtype == kernels.dtype == F32
+    assert_close(routed.to(BF16), kernels.to(BF16), BF16)
+    for grad, expected in zip(grads, want):
+        assert grad.dtype == expected.dtype == F32
+        assert_close(grad, expected, BF16)

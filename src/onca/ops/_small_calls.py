@@ -23,6 +23,8 @@ the call is *small*:
 The LM heads of the post-training losses and of ``fused_linear_logprobs`` (the chunk driver,
 :mod:`onca.ops._chunked_head`) take the unfused computation the same way, their logits counted as
 the largest tensor: one GEMM, torch's fp32 log-softmax and a gather, autograd for the gradient.
+Distillation (:mod:`onca.ops.fused_linear_distill`) likewise: one GEMM per head, then its
+divergence and hard-label cross entropy in fp32.
 
 Where ``torch.nn.functional``'s Python wrapper only checks what Onca's function has already
 checked (LayerNorm, GroupNorm, embedding, cross entropy), the route calls the ATen op beneath it:

@@ -26,14 +26,22 @@ the hard-label gradient when it is mixed in), the divergence kernel writes the g
 student's logits, and the driver's matmuls accumulate ``dStudentHidden``, ``dStudentWeight`` and
 ``dStudentBias`` (fp32). Backward multiplies them by the incoming gradient. The teacher gets no
 gradient.
+
+A small call (both heads' logits within :func:`onca.ops._small_calls.limit` elements, eager, on
+CUDA; under autocast too, the inputs cast first) takes torch's ops instead: each head's logits by
+one GEMM in the input dtype, the divergence and the hard-label loss in fp32, autograd for the
+gradient (the kernels' values to rounding: their logits are fp32 products of the same operands).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 from onca.device import DeviceProfile, accelerator, free_memory
+from onca.ops import _small_calls as small_calls
 from onca.ops._chunked_head import check_options, chunk_loop, head_logits, validate_head
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._validate import (
@@ -290,6 +298,14 @@ def _distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature, weig
     check_same_device(th, "teacher_hidden", sh, "student_hidden")
     check_float(th, "teacher_hidden")
     accum_fp32 = check_accum_dtype(accum_dtype, sw.dtype)
+    if small_calls.small(math.prod(lead) * sw.shape[0], sh, sw, th, tw):
+        loss, soft, hard = _torch_distill(sh, sw, sb, th, tw, tb, labels, divergence, float(beta),
+                                          float(temperature), ignore_index, float(weight_hard_loss),
+                                          float(weight_soft_loss))
+        if not return_aux:
+            return loss
+        hard = soft.new_zeros(()) if hard is None else hard.detach()
+        return loss, {"soft_loss": soft.detach(), "hard_loss": hard}
     grad_enabled = torch.is_grad_enabled()
     rows = lambda t: t.reshape(-1, t.shape[-1]).contiguous()
     loss, soft, hard, *_ = fused_linear_distill_forward(
@@ -302,3 +318,49 @@ def _distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature, weig
     if not return_aux:
         return loss
     return loss, {"soft_loss": soft, "hard_loss": hard}
+
+
+def _torch_distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature, ignore_index,
+                   weight_hard_loss, weight_soft_loss):
+    """A small call's ``(loss, soft_loss, hard_loss)`` by torch's ops (:mod:`onca.ops._small_calls`):
+    both heads' logits in the input dtype by one GEMM each, then in fp32 the divergence and the
+    hard-label cross entropy, their gradient by autograd; the same means, ignored tokens and
+    ``beta`` edges as the kernels (``jsd`` at ``beta`` 0 is the forward KL, at 1 the reverse).
+    ``hard_loss`` is None where it is not mixed in. Every op skipped that does nothing at the
+    call's settings: the route exists to save host time."""
+    vocab = sw.shape[0]
+    s = torch.nn.functional.linear(sh, sw, sb).float().reshape(-1, vocab)
+    with torch.no_grad():
+        t = torch.nn.functional.linear(th, tw, tb).float().reshape(-1, vocab)
+    if labels is not None:
+        flat = labels.reshape(-1)
+        valid = flat != ignore_index
+        count = valid.sum().clamp(min=1)
+    else:
+        valid, count = None, max(s.shape[0], 1)
+    if divergence == "cosine":
+        s_hat = s / s.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+        t_hat = t / t.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+        per = 1 - (s_hat * t_hat).sum(-1)
+    else:
+        mix = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, beta)
+        scaled = (s, t) if temperature == 1.0 else (s / temperature, t / temperature)
+        log_q, log_p = (torch.log_softmax(z, -1) for z in scaled)
+        if mix == 0.0:
+            per = (log_p.exp() * (log_p - log_q)).sum(-1)
+        elif mix == 1.0:
+            per = (log_q.exp() * (log_q - log_p)).sum(-1)
+        else:
+            log_m = torch.logaddexp(log_p + math.log(mix), log_q + math.log(1 - mix))
+            per = (mix * (log_p.exp() * (log_p - log_m)).sum(-1)
+                   + (1 - mix) * (log_q.exp() * (log_q - log_m)).sum(-1))
+    if valid is not None:
+        per = torch.where(valid, per, 0.0)
+    soft = per.sum() / count
+    loss = soft if weight_soft_loss == 1.0 else weight_soft_loss * soft
+    hard = None
+    if weight_hard_loss:
+        hard = torch.nn.functional.cross_entropy(s, flat.long(), ignore_index=ignore_index, reduction="sum")
+        hard = hard / count
+        loss = loss + weight_hard_loss * hard
+    return loss, soft, hard
