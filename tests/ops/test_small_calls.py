@@ -39,6 +39,7 @@ from onca.ops.multi_token_attention import SMALL_CALL_WEIGHT, multi_token_attent
 from onca.ops.relu_squared import relu_squared
 from onca.ops.softmax import softmax
 from onca.ops.swiglu import swiglu
+from onca.ops.tvd import tvd
 from tests.helpers import assert_close
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -72,6 +73,12 @@ def _tensor(shape, dtype, device, grad=True, scale=1.0, positive=False):
     if positive:
         t = t.abs() + 0.5
     return t.to(device=device, dtype=dtype).requires_grad_(grad and dtype.is_floating_point)
+
+
+def _probs(shape, dtype, device, grad=True):
+    """Rows of probabilities (softmax of random logits) in ``dtype``."""
+    p = torch.softmax(torch.randn(shape, dtype=F32) * 2, -1).to(device=device, dtype=dtype)
+    return p.requires_grad_(grad)
 
 
 def _labels(shape, vocab, device, ignored=2):
@@ -166,6 +173,24 @@ def _cases():
         "cross_entropy_overwrite_logits": (
             lambda d: [_tensor((9, vocab), F32, d, scale=2.0), _labels((9,), vocab, d)],
             lambda x, t: cross_entropy(x, t, overwrite_logits=True)),
+        "tvd_batchmean_ignored_tokens": (
+            lambda d: [_probs((3, 4, vocab), F32, d), _probs((3, 4, vocab), F32, d, grad=False),
+                       _labels((3, 4), vocab, d)],
+            lambda p, q, y: tvd(p, q, y, reduction="batchmean")),
+        "tvd_mean_both_gradients_bf16": (
+            lambda d: [_probs((6, vocab), BF16, d), _probs((6, vocab), BF16, d), _labels((6,), vocab, d)],
+            lambda p, q, y: tvd(p, q, y)),
+        "tvd_sum_ties": (  # the first two rows equal: the gradient is 0 there on both routes
+            lambda d: [_probs((4, vocab), F32, d), _probs((2, vocab), F32, d, grad=False)],
+            lambda p, q: tvd(p, torch.cat((p[:2].detach(), q)), reduction="sum")),
+        "tvd_none": (lambda d: [_probs((2, 3, vocab), F32, d), _probs((2, 3, vocab), F32, d, grad=False)],
+                     lambda p, q: tvd(p, q, reduction="none")),
+        "tvd_mean_every_token_ignored": (  # 0 and no gradient on both routes
+            lambda d: [_probs((5, vocab), F32, d), _probs((5, vocab), F32, d, grad=False),
+                       torch.full((5,), -100, device=d)],
+            lambda p, q, y: tvd(p, q, y)),
+        "tvd_mean_no_labels": (lambda d: [_probs((5, vocab), F32, d), _probs((5, vocab), F32, d, grad=False)],
+                               lambda p, q: tvd(p, q)),
         "multi_token_attention": (
             lambda d: [_tensor((2, 4, 9, 9), F32, d, scale=2.0), _tensor((4, 4, 3, 3), F32, d, scale=0.3),
                        _tensor(4, F32, d)],

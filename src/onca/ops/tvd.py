@@ -38,6 +38,10 @@ With labels the loss's factor is a device scalar (the count of tokens not ignore
 the host); without, a host constant.
 Rows are covered in column tiles of the plan's width; every element is independent, so one pass
 serves any vocabulary. Reductions are deterministic: one sum per row, added up once afterwards.
+
+A small call (:mod:`onca.ops._small_calls`: at most its limit of elements, eager, on CUDA, input
+and target of one dtype) takes torch's ops instead: the same distance in fp32 and reductions,
+autograd for the gradients.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import sum_scaled
@@ -325,6 +330,9 @@ def tvd(
     (0 at ties) for ``input`` and the negation for ``target`` when it requires one. See the module
     docstring for empty and all-ignored inputs."""
     labels = _validate(input, target, shift_labels, reduction, ignore_index)
+    if (input.numel() and small_calls.same_dtype(input, target)
+            and small_calls.small(input.numel(), input, target)):
+        return _torch_tvd(input, target, labels, reduction, ignore_index)
     grad_on = torch.is_grad_enabled() and (input.requires_grad or target.requires_grad)
     # fp16 cannot hold the unit-gradient values of a large mean (0.5 / (tokens x vocab) is below its
     # smallest subnormal past 2**24 elements): rescaling them later by a loss scale (GradScaler)
@@ -332,3 +340,24 @@ def tvd(
     precompute_grad = reduction != "none" and grad_on and input.dtype != torch.float16
     loss, _ = tvd_forward(as_rows(input), as_rows(target), labels, reduction, ignore_index, precompute_grad)
     return loss.view(input.shape) if reduction == "none" else loss
+
+
+def _torch_tvd(input: Tensor, target: Tensor, labels: Tensor | None, reduction: str,
+               ignore_index: int) -> Tensor:
+    """A small call by torch's ops (:mod:`onca.ops._small_calls`): ``0.5 * |input - target|`` in
+    fp32, the ignored tokens' rows zeroed, the kernels' reductions (a ``mean`` or ``batchmean``
+    over no token kept is 0; the half folded into the scalar's divisor, one elementwise op less);
+    autograd gives the kernels' gradients (0 at ties, the negation for ``target``), rounded once to
+    the inputs' dtype."""
+    distance = (input.float() - target.float()).abs()
+    kept = None
+    if labels is not None:
+        kept = (labels != ignore_index).reshape(*input.shape[:-1], 1)
+        distance = torch.where(kept, distance, 0.0)
+    if reduction == "none":
+        return 0.5 * distance
+    total = distance.sum()
+    if reduction == "sum":
+        return 0.5 * total
+    tokens = kept.sum().clamp(min=1) if kept is not None else input.numel() // input.shape[-1]
+    return total / (tokens * (2 * input.shape[-1])) if reduction == "mean" else total / (2 * tokens)
