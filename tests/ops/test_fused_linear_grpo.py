@@ -156,18 +156,25 @@ def test_token_chunks_match_the_chunk_driver(monkeypatch, device, case, poisoned
     assert (token_mm, driver_mm) == (chunks, 2 * chunks)
 
 
-def test_token_chunks_hold_at_least_the_minimum_logits():
-    """A small vocabulary takes longer chunks (each chunk's loss terms cost launches whatever its
-    size); a large one keeps fused linear cross entropy's; sequence chunks round down to whole
-    sequences; ``chunk_tokens`` decides when given."""
+def test_token_chunks_hold_as_many_logits_as_the_head_within_the_bounds():
+    """A chunk holds as many logits as the weight has elements (each chunk reads and writes the
+    weight's gradient), at least ``MIN_CHUNK_LOGITS`` (each chunk's loss terms cost launches
+    whatever its size) and at most ``MAX_CHUNK_LOGITS``, never fewer than fused linear cross
+    entropy's tokens; sequence chunks round down to whole sequences; ``chunk_tokens`` decides
+    when given."""
     from onca.ops import _token_head
     from onca.ops.fused_linear_cross_entropy import CHUNK_TOKENS
 
-    def chunk(vocab, seq_len=0, chunk_tokens=0):
-        return _token_head._chunks(8192, 4096, vocab, torch.bfloat16, False, chunk_tokens, seq_len,
+    def chunk(vocab, width=4096, seq_len=0, chunk_tokens=0):
+        return _token_head._chunks(8192, width, vocab, torch.bfloat16, False, chunk_tokens, seq_len,
                                    torch.device("cpu")).chunk
 
-    assert chunk(128256) == CHUNK_TOKENS
-    assert chunk(32000) > CHUNK_TOKENS and chunk(32000) >= _token_head.MIN_CHUNK_LOGITS // 32000 - 15
-    assert chunk(32000, seq_len=1024) == 2048
+    assert chunk(128256, width=1024) == CHUNK_TOKENS  # the head's own size: 1024 tokens of logits
+    assert chunk(32000, width=4096) == 4096
+    assert chunk(32000, width=256) == _token_head.MIN_CHUNK_LOGITS // 32000 // 16 * 16
+    largest = _token_head.MAX_CHUNK_LOGITS // 128256
+    assert largest - 16 < chunk(128256, width=16384) <= largest
+    assert chunk(262144, width=64) == CHUNK_TOKENS
+    assert chunk(32000, width=4096, seq_len=1024) == 4096
+    assert chunk(32000, width=256, seq_len=1024) == 2048
     assert chunk(32000, chunk_tokens=256) == 256

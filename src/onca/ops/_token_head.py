@@ -17,12 +17,13 @@ gradient; the backward rescales them (:func:`onca.ops.cross_entropy.keep_forward
 The loss's function is registered by name (:func:`register_token_loss`) by the loss's own module;
 it returns the chunk's loss terms and, when asked, the derivative in closed form (inside a custom op
 autograd is off, and torch.func fails under a dispatch mode: see :mod:`onca.ops._paired_head`).
-Chunks are fused linear cross entropy's (``CHUNK_TOKENS`` tokens of logits, twice that with an fp32
-weight gradient, capped by the free memory), at least ``MIN_CHUNK_LOGITS`` logits (a small
-vocabulary takes more tokens per chunk), or ``chunk_tokens``, rounded down to whole sequences
-(at least one). fp16 inputs, calls that want no gradient, sequences whose logits would take more
-than :data:`onca.ops._paired_head.MAX_PAIR_SCRATCH_BYTES` and small calls keep the chunk driver
-(:func:`use_token_chunks`), as the paired losses do.
+Chunks hold as many logits as the head's weight has elements, within ``MIN_CHUNK_LOGITS`` and
+``MAX_CHUNK_LOGITS`` and at least fused linear cross entropy's ``CHUNK_TOKENS`` tokens (twice that
+with an fp32 weight gradient, capped by the free memory), or ``chunk_tokens``, rounded down to whole
+sequences (at least one): few chunks, since each one reads and writes the weight's gradient and
+runs the loss's elementwise terms. fp16 inputs, calls that want no gradient, sequences whose logits
+would take more than :data:`onca.ops._paired_head.MAX_PAIR_SCRATCH_BYTES` and small calls keep the
+chunk driver (:func:`use_token_chunks`), as the paired losses do.
 """
 
 from __future__ import annotations
@@ -65,18 +66,25 @@ def use_token_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, seq_le
 # Each chunk also pays for its loss's closed-form terms and derivative: some 25 elementwise launches
 # on the chunk's tokens, whatever the chunk's size. At fused linear cross entropy's 1024 tokens of a
 # 32000-column head GRPO ran 0.65 ms of device time behind torch.compile's 9.18 (8192 tokens, hidden
-# 4096, H200, 2026-11-28), about 80 us per chunk; with half as many chunks it ran 0.05 ms ahead. So a
-# chunk holds at least this many logits (1024 tokens of a 64k vocabulary: twice the tokens at
-# 32000, the scratch of 512 tokens of a 128k one).
+# 4096, H200, 2026-11-28); with half as many chunks it ran 0.05 ms ahead. So a chunk holds at least
+# this many logits (1024 tokens of a 64k vocabulary: twice the tokens at 32000).
 MIN_CHUNK_LOGITS = 1 << 26
+# And each chunk's GEMM reads and writes the whole head-sized weight gradient it accumulates into:
+# at 1024 tokens, by arithmetic, about a tenth of the chunk's GEMM time on an H200, whatever the
+# head's shape. Chunks of up to this many logits (1 GiB of bf16 scratch) took GRPO from 0.93x-0.98x
+# torch.compile to 1.02x-1.05x at Llama-3-70B, Llama-3.1-405B, Qwen2.5-7B and Gemma-2-9B (H200,
+# 2026-11-29). A chunk grows only to the head's own size (its scratch no larger than the weight):
+# the sweep's peaks stayed at most 0.97x liger-kernel's.
+MAX_CHUNK_LOGITS = 1 << 29
 
 
 def _chunks(tokens: int, width: int, vocab: int, dtype: torch.dtype, accum_fp32: bool, chunk_tokens: int,
             seq_len: int, device) -> ChunkPlan:
-    """Fused linear cross entropy's chunks, at least ``MIN_CHUNK_LOGITS`` logits each (or
-    ``chunk_tokens`` tokens), whole sequences of ``seq_len`` tokens each when it is not 0 (at
-    least one)."""
-    target = max(CHUNK_TOKENS, MIN_CHUNK_LOGITS // max(1, vocab))
+    """Fused linear cross entropy's chunks of as many logits as the head's weight has elements,
+    within ``MIN_CHUNK_LOGITS`` and ``MAX_CHUNK_LOGITS`` (or ``chunk_tokens`` tokens), whole
+    sequences of ``seq_len`` tokens each when it is not 0 (at least one)."""
+    logits = min(MAX_CHUNK_LOGITS, max(MIN_CHUNK_LOGITS, vocab * width))
+    target = max(CHUNK_TOKENS, logits // max(1, vocab))
     chunks = chunk_plan(tokens, width, vocab, dtype, accum_bytes=4 if accum_fp32 else None,
                         chunk_tokens=chunk_tokens or None, device=device, target_tokens=target)
     if not seq_len:
