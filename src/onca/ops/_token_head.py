@@ -73,8 +73,9 @@ MIN_CHUNK_LOGITS = 1 << 26
 # at 1024 tokens, by arithmetic, about a tenth of the chunk's GEMM time on an H200, whatever the
 # head's shape. Chunks of up to this many logits (1 GiB of bf16 scratch) took GRPO from 0.93x-0.98x
 # torch.compile to 1.02x-1.05x at Llama-3-70B, Llama-3.1-405B, Qwen2.5-7B and Gemma-2-9B (H200,
-# 2026-11-29). A chunk grows only to the head's own size (its scratch no larger than the weight):
-# the sweep's peaks stayed at most 0.97x liger-kernel's.
+# 2026-11-29). A chunk grows only to the head's own size (its scratch no larger than the weight;
+# twice the tokens with an fp32 accumulator, as fused linear cross entropy's): the sweep's peaks
+# stayed at most 0.97x liger-kernel's.
 MAX_CHUNK_LOGITS = 1 << 29
 
 
