@@ -53,7 +53,12 @@ from onca.ops._validate import (
     check_same_device,
     check_tensor,
 )
-from onca.ops.cross_entropy import ForwardGradients, cross_entropy_rows, scale_forward_gradient
+from onca.ops.cross_entropy import (
+    ForwardGradients,
+    cross_entropy_rows,
+    scale_forward_gradient,
+    torch_cross_entropy,
+)
 from onca.ops.jsd import gradient_view, jsd_rows, plan_divergence
 from onca.tiling import ChunkPlan, plan_token_chunks
 
@@ -360,7 +365,7 @@ def _torch_distill(sh, sw, sb, th, tw, tb, labels, divergence, beta, temperature
     loss = soft if weight_soft_loss == 1.0 else weight_soft_loss * soft
     hard = None
     if weight_hard_loss:
-        hard = torch.nn.functional.cross_entropy(s, flat.long(), ignore_index=ignore_index, reduction="sum")
-        hard = hard / count
+        # Cross entropy's own small-call route (the ATen op, without F.cross_entropy's wrapper).
+        hard = torch_cross_entropy(s, flat.long(), None, ignore_index, 0.0, "sum") / count
         loss = loss + weight_hard_loss * hard
     return loss, soft, hard
