@@ -15,7 +15,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TILES = [dict(live_tiles=3, fp32_tiles=2), dict(live_tiles=4, fp32_tiles=4), dict(live_tiles=1),
          dict(live_tiles=4, fp32_tiles=4, column_fp32=3),
          dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False, min_gpu_rows=4, max_gpu_rows=4),
-         dict(live_tiles=2, fp32_tiles=4, gpu_whole_two_pass=True)]
+         dict(live_tiles=2, fp32_tiles=4, gpu_whole_two_pass=True),
+         dict(live_tiles=2, fp32_tiles=3, gpu_streaming=True)]
 
 
 def _bytes_per_col(dtype, tiles):
@@ -134,6 +135,20 @@ def test_gpu_whole_two_pass():
     for name in ("ascend910b2", "cpu-interpreter"):
         other = {**vocab, "profile": PROFILES[name]}
         assert plan_rows(**other, gpu_whole_two_pass=True) == plan_rows(**other)
+
+
+def test_gpu_streaming():
+    """A GPU's reading pass gets one-warp programs of at most ``tile_elements`` (2048) elements with
+    ``gpu_streaming``, narrow rows several to a tile; other devices plan as without it."""
+    h200 = PROFILES["h200"]
+    vocab = dict(rows=8192, cols=128256, dtype=torch.bfloat16, live_tiles=2, fp32_tiles=3, profile=h200)
+    p = plan_rows(**vocab, gpu_streaming=True)
+    assert (p.block_rows, p.block_cols, p.col_tiles, p.num_warps) == (1, 2048, 63, 1)
+    narrow = plan_rows(**{**vocab, "cols": 1000}, gpu_streaming=True)
+    assert (narrow.block_rows, narrow.block_cols, narrow.num_warps) == (2, 1024, 1)
+    for name in ("ascend910b2", "cpu-interpreter"):
+        other = {**vocab, "profile": PROFILES[name]}
+        assert plan_rows(**other, gpu_streaming=True) == plan_rows(**other)
 
 
 def test_narrow_rows_share_a_tile():

@@ -125,6 +125,7 @@ def plan_rows(
     min_gpu_rows: int | None = None,
     max_gpu_rows: int | None = None,
     gpu_whole_two_pass: bool = False,
+    gpu_streaming: bool = False,
 ) -> RowPlan:
     """Plan a row-wise kernel over a ``(rows, cols)`` matrix of ``dtype``.
 
@@ -148,18 +149,24 @@ def plan_rows(
     ``gpu_whole_two_pass`` gives a GPU's two-pass tile the whole budget instead of half: fewer,
     larger programs, so that the rows in flight, which the second pass reads again, stay in the
     GPU's L2 cache (where a kernel measured it faster); other devices ignore it.
+    ``gpu_streaming`` declares a pass that only reads its rows (a log-sum-exp, a row statistic) and
+    stores a few values per row: on a GPU its tile holds at most ``tile_elements`` (2048) and its
+    program is one warp, so that many programs share an SM and keep many loads in flight. Measured
+    on an H200 (bf16, GRPO loss's log-sum-exp pass over 8192 rows): 0.543 ms at 128256 columns
+    against 0.732 in the two-pass tile (8192 columns, 16 warps), 0.149 against 0.214 at 32000, 1.102
+    against 1.416 at 262144; two warps or 4096 columns were 3-6% slower. Other devices ignore it.
     """
     return _plan_rows(
         int(rows), int(cols), dtype, int(live_tiles), profile or get_profile(), int(fp32_tiles),
         int(column_fp32), persistent, max_block_rows, max_block_cols, max_programs, bool(row_state),
-        min_gpu_rows, max_gpu_rows, bool(gpu_whole_two_pass),
+        min_gpu_rows, max_gpu_rows, bool(gpu_whole_two_pass), bool(gpu_streaming),
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, persistent, max_block_rows,
                max_block_cols, max_programs, row_state, min_gpu_rows, max_gpu_rows,
-               gpu_whole_two_pass) -> RowPlan:
+               gpu_whole_two_pass, gpu_streaming) -> RowPlan:
     if rows < 1 or cols < 1:
         raise TilingError(f"cannot plan an empty matrix ({rows} x {cols})")
     if max_programs is not None and max_programs < 1:
@@ -191,6 +198,9 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
         # Two passes: the kernel carries per-row state across tiles and reloads each tile, so it
         # gets half the budget (room for that state, and for the next tile's loads in flight).
         widest = max(min_block, widest // 2)
+    streaming = gpu_streaming and profile.kind == "cuda" and profile.tile_elements > 0
+    if streaming:
+        widest = min(widest, max(min_block, profile.tile_elements))
     block_cols = max(min_block, min(next_power_of_2(cols), widest))
     col_tiles = math.ceil(cols / block_cols)
     is_persistent = profile.persistent if persistent is None else persistent
@@ -216,7 +226,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
     # A whole-budget two-pass tile spreads over the largest program a GPU runs, at the same
     # elements per thread as a half-budget tile in half the warps.
     max_warps = _GPU_PROGRAM_WARPS if whole else profile.max_warps
-    num_warps = _num_warps(profile, tile_elements, is_persistent, max_warps)
+    num_warps = 1 if streaming else _num_warps(profile, tile_elements, is_persistent, max_warps)
     per_unit = max(1, profile.warps_per_unit // num_warps) if profile.warps_per_unit else 1
     grid = min(row_blocks, profile.compute_units * per_unit) if is_persistent else row_blocks
     if max_programs is not None:

@@ -75,7 +75,10 @@ def test_extras_and_overwrite_logits(device):
     loss, z = m(base.clone(), t)
     expected, z_expected = onca.functional.cross_entropy(x, t, lse_square_scale=1e-3, softcap=20.0,
                                                          return_z_loss=True)
-    assert torch.equal(loss, expected) and torch.equal(z, z_expected)
+    # The forward that writes the gradient sums each row in another tile than the log-sum-exp
+    # pass alone (the streaming tile on a GPU): equal up to fp32 rounding.
+    torch.testing.assert_close(loss, expected, rtol=2e-6, atol=0)
+    torch.testing.assert_close(z, z_expected, rtol=2e-6, atol=0)
     loss.backward()
     assert base.grad is not None and torch.isfinite(base.grad).all()
     assert "softcap=20.0" in repr(m) and "overwrite_logits=True" in repr(m)

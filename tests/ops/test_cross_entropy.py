@@ -487,9 +487,13 @@ def test_tiles_follow_the_options(device, monkeypatch):
     for options in calls.values():
         out = cross_entropy(leaf(logits), target, **options)
         (out if isinstance(out, torch.Tensor) else out.loss).backward()
-    # forward and backward each: the metrics' backward carries no argmax, so plain rows' tile
-    assert launched == [op.TILES] * 2 + [op.OPTION_TILES, op.TILES] + [op.OPTION_TILES] * 2 + \
-        [op.WEIGHTED_SMOOTHING_TILES] * 2
+    # forward and backward each: the forward, a log-sum-exp pass alone, in the streaming tile; the
+    # metrics' backward carries no argmax, so plain rows' tile
+    assert plans["lse_only"].num_warps == 1 and plans["lse_only"].block_cols == 2048
+    streaming = lambda tiles: dict(tiles, gpu_streaming=True)  # noqa: E731
+    assert launched == [streaming(op.TILES), op.TILES, streaming(op.OPTION_TILES), op.TILES,
+                        streaming(op.OPTION_TILES), op.OPTION_TILES,
+                        streaming(op.WEIGHTED_SMOOTHING_TILES), op.WEIGHTED_SMOOTHING_TILES]
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])

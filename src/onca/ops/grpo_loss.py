@@ -66,6 +66,13 @@ LOSS_TYPES = {"grpo": 0, "dapo": 0, "bnpo": 0, "dr_grpo": 0, "luspo": 0, "cispo"
 # Live tiles per element of a (rows x cols) tile: the logits as loaded (forward), and the
 # gradient as stored (backward); fp32: the scaled logits, their exponentials, the gradient.
 TILES = dict(live_tiles=2, fp32_tiles=3)
+# The forward only reads its rows (an online log-sum-exp) and stores five values per token: on a
+# GPU, one-warp programs of 2048-column tiles (the planner's gpu_streaming), 1.3x faster than the
+# two-pass tile at every vocabulary timed (H200, bf16, 8192 rows: 0.543 against 0.732 ms at
+# 128256 columns, 0.648 against 0.859 at 151936). The backward, which writes its rows, was
+# fastest in the two-pass tile (1.059 ms there; 2048 columns in 4 warps 1.064, in 2 warps 1.188;
+# evict-first hints on its read and store 3% slower).
+FORWARD_TILES = dict(TILES, gpu_streaming=True)
 
 
 @fast_launch
@@ -204,8 +211,8 @@ def _grpo_backward_kernel(
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
     """The plans for ``shape = (tokens, vocab)`` (tokens = batch x completion length)."""
     tokens, vocab = (int(s) for s in shape)
-    p = plan_rows(tokens, vocab, dtype, profile=profile, **TILES)
-    return {"forward": p, "backward": p}
+    return {"forward": plan_rows(tokens, vocab, dtype, profile=profile, **FORWARD_TILES),
+            "backward": plan_rows(tokens, vocab, dtype, profile=profile, **TILES)}
 
 
 # ------------------------------------------------------------------------------------- custom ops
@@ -231,7 +238,7 @@ def grpo_loss_forward(logits: Tensor, completion_ids: Tensor, advantages: Tensor
     outs = [torch.empty((b, seq), dtype=torch.float32, device=logits.device) for _ in range(5)]
     if b * seq == 0:
         return tuple(outs)
-    p = plan_rows(b * seq, v, logits.dtype, **TILES)
+    p = plan_rows(b * seq, v, logits.dtype, **FORWARD_TILES)
     _grpo_forward_kernel[(p.grid,)](
         logits, completion_ids, advantages,
         old_logp if old_logp is not None else logits, ref_logp if ref_logp is not None else logits,
