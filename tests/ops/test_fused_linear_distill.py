@@ -65,6 +65,22 @@ def check(dtype, device, divergence, *, beta=0.3, temperature=2.0, w_hard=0.4, w
         assert_close(sbk.grad, b64.grad, dtype, "dstudent_bias")
 
 
+def test_loss_without_gradient(profile, device):
+    """Evaluation: with no gradient asked for, the hard-label loss is a log-sum-exp pass alone (on a
+    GPU, in the streaming tile) and the loss is still the reference's."""
+    n, hs, ht, v = SHAPE
+    sh, sw = randn(n, hs, device=device), randn(v, hs, device=device, std=0.3)
+    th, tw = randn(n, ht, device=device), randn(v, ht, device=device, std=0.4)
+    labels = torch.randint(0, v, (n,), device=device)
+    labels[::5] = IGNORE
+    with torch.no_grad():
+        loss = fused_linear_distill(sh, sw, th, tw, labels, weight_hard_loss=0.4, weight_soft_loss=0.6,
+                                    temperature=2.0, chunk_tokens=16)
+    ref, _ = reference(sh, sw, None, th, tw, labels, "forward_kl", 0.5, 2.0, 0.4, 0.6)
+    assert not loss.requires_grad
+    assert_close(loss, ref, torch.float32, "loss")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_forward_kl_with_hard_labels(profile, device, dtype):
     check(dtype, device, "forward_kl")
