@@ -11,8 +11,10 @@ import pytest
 from onca.bench import harness
 from tools.host_path import HOST_SYNC, measure, stubbed_launches
 
+# Embedding's third launch is its weight gradient's zero fill, Onca's kernel in place of torch's
+# (onca.ops._fill: 1.27x faster on an H200), so its launches overall did not change.
 LAUNCHES = {
-    "attn_res": 3, "cross_entropy": 4, "dyt": 2, "embedding": 2, "fused_add_rms_norm": 2,
+    "attn_res": 3, "cross_entropy": 4, "dyt": 2, "embedding": 3, "fused_add_rms_norm": 2,
     "fused_linear_cpo": 4, "fused_linear_cross_entropy": 5, "fused_linear_distill": 3, "fused_linear_dpo": 5,
     "fused_linear_grpo": 4, "fused_linear_jsd": 4, "fused_linear_kto": 5, "fused_linear_logprobs": 2,
     "fused_linear_orpo": 4, "fused_linear_scaled_cross_entropy": 2, "fused_linear_simpo": 4, "fused_moe": 8,

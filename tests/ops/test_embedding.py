@@ -162,6 +162,38 @@ def test_deterministic_gradient_is_bitwise_reproducible(device):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and streams need a CUDA device")
+def test_sorted_backward_replays_in_a_cuda_graph():
+    """The sorted backward's sort runs on a side stream beside the zero fill: captured in a CUDA
+    graph (the fork and join are stream waits) and replayed on new indices, it gives the eager
+    gradient bit for bit, and that gradient is right."""
+    n, dim, shape = 1000, 96, (4, 300)
+    weight = leaf(randn(n, dim, dtype=torch.bfloat16, device="cuda"))
+    idx = torch.randint(0, 40, shape, device="cuda")  # long runs: every chunk boundary is crossed
+    dy = randn(*shape, dim, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        weight.grad = None
+        embedding(idx, weight, 5).backward(dy)
+        return weight.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up off the capturing stream, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in range(3):
+        idx.copy_(torch.randint(0, 40 + 300 * seed, shape, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        replayed = captured.clone()
+        eager = step()
+        assert torch.equal(replayed, eager)
+        assert_close(eager, reference(idx, weight, dy, 5)[1], torch.bfloat16, "dW")
+
+
 def test_backward_path_choice(monkeypatch):
     assert not op._sorted_path(torch.float32, False, False)
     assert op._sorted_path(torch.float32, True, False)
@@ -292,17 +324,20 @@ def test_bad_input(device):
         embedding(idx, weight, None, 1.0)
 
 
-@pytest.mark.parametrize("dtype,options",
-                         [(torch.float32, {}),
-                          (torch.bfloat16, {"padding_idx": 2, "scale_grad_by_freq": True}),
-                          (torch.float32, {"deterministic": True})],
-                         ids=["atomic", "sorted-padding-freq", "sorted-fp32"])
-def test_op_contract(device, dtype, options):
-    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation."""
+@pytest.mark.parametrize("dtype,options,index_shape",
+                         [(torch.float32, {}, (2, 3)),
+                          (torch.bfloat16, {"padding_idx": 2, "scale_grad_by_freq": True}, (2, 3)),
+                          (torch.float32, {"deterministic": True}, (2, 3)),
+                          (torch.bfloat16, {"padding_idx": 2}, (3, op.FEW_TOKENS))],
+                         ids=["atomic", "few-tokens-padding-freq", "few-tokens-fp32", "sorted"])
+def test_op_contract(device, dtype, options, index_shape):
+    """Custom ops (opcheck), fullgraph compile equal to eager, no host synchronisation; the last
+    case has more than FEW_TOKENS tokens: the sort and the run kernels (on CUDA, the sort on the
+    side stream)."""
     n = 7
     # Distinct indices on the atomic path: one addition per gradient element, so a GPU's atomics
     # give the same bits in the eager and the compiled run.
-    idx = torch.randperm(n, device=device)[:6].view(2, 3) if not options else _indices((2, 3), n, device)
+    idx = torch.randperm(n, device=device)[:6].view(2, 3) if not options else _indices(index_shape, n, device)
     weight = randn(n, 16, dtype=dtype, device=device).requires_grad_()
     fn = lambda idx, w: embedding(idx, w, **options)  # noqa: E731
     assert_op_contract(fn, (idx, weight), expect_ops={"embedding_forward", "embedding_backward"})

@@ -447,6 +447,22 @@ def test_multi_token_attention_counts_its_output_when_larger(device, route, onca
     assert onca_ops == ["multi_token_attention_forward"]
 
 
+def test_embedding_counts_its_table_when_it_takes_a_gradient(device, route, onca_ops):
+    # 3 tokens of 8 columns (24 output elements) from a 50-row table (400): with a weight gradient
+    # the table-sized fill is the call's work; without one, the output is the largest tensor.
+    idx = torch.randint(0, 50, (3,)).to(device)
+    table = _tensor((50, 8), F32, device)
+    small_calls.set_limit(399)
+    embedding(idx, table)
+    assert onca_ops == ["embedding_forward"]
+    onca_ops.clear()
+    embedding(idx, table.detach())
+    assert onca_ops == []
+    small_calls.set_limit(400)
+    embedding(idx, table)
+    assert onca_ops == []
+
+
 @pytest.mark.parametrize("name", ["layer_norm", "softmax_middle_dim", "cross_entropy", "kl_div_batchmean"])
 def test_a_call_under_autocast_keeps_oncas_op(name, device, route, onca_ops):
     # autocast runs these torch ops in fp32 and returns fp32; Onca's keep the input's dtype.
