@@ -31,7 +31,7 @@ SHARDS: dict[str, tuple[str, ...]] = {
     "3": ("tests/ops/test_swiglu.py", "tests/ops/test_geglu.py", "tests/nn/test_mlp.py",
           "tests/ops/test_tiled_mlp.py"),
     "4": ("tests/ops/test_rope.py", "tests/ops/test_embedding.py", "tests/nn/test_embedding.py",
-          "tests/ops/test_multimodal_rope.py", "tests/ops/test_llama4_rope.py",
+          "tests/ops/test_fill.py", "tests/ops/test_multimodal_rope.py", "tests/ops/test_llama4_rope.py",
           "tests/ops/test_rms_norm_rope.py",
           "tests/ops/test_attn_res.py", "tests/nn/test_attn_res.py"),
     "5": ("tests/ops/test_cross_entropy.py", "tests/nn/test_cross_entropy.py",
