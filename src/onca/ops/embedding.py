@@ -634,7 +634,7 @@ def embedding(
     # gradient the backward zero-fills: with a large table the fill is the call's GPU time (a 128256
     # x 4096 bf16 table: 0.31 ms by torch's fill, 0.24 by Onca's), not its host path.
     elements = indices.numel() * weight.shape[1]
-    if weight.requires_grad:
+    if weight.requires_grad and torch.is_grad_enabled():
         elements = max(elements, weight.numel())
     sync_free = not scale_grad_by_freq and indices.numel() <= TORCH_ATOMIC_BACKWARD_INDICES
     if sync_free and not (check_bounds or deterministic) and small_calls.small(elements, weight, indices):
