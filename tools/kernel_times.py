@@ -5,6 +5,7 @@
     python -m tools.kernel_times rms_norm --small onca torch      # the overhead sweep's point
     python -m tools.kernel_times tvd llama-3-8b onca --top 5
     python -m tools.kernel_times fused_linear_logprobs llama-3-8b onca trl --gaps 8
+    python -m tools.kernel_times fused_linear_cross_entropy gemma-2-9b onca torch_compile gemm_limit
 
 On a GPU it times CUDA kernels over ``--steps`` steps after a warm-up (gradients cleared between
 steps, as the harness does), and prints each provider's total and its ``--top`` kernels with their
@@ -32,9 +33,6 @@ import torch
 from onca.bench import harness
 from onca.bench.spec import build
 
-FACTORIES = {"onca": "onca", "torch": "reference", "liger": "liger"}
-
-
 def point_params(bench, point: str | None) -> dict:
     """The parameters of the op's D2 point named ``point`` (a model), or (None) of its overhead
     sweep's point (16 tokens)."""
@@ -50,8 +48,7 @@ def point_params(bench, point: str | None) -> dict:
 
 def step_fn(bench, provider: str, params: dict, device: str):
     """One forward + backward of ``provider`` at ``params``, as the harness's full mode runs it."""
-    attr = FACTORIES.get(provider)
-    factory = getattr(bench, attr) if attr else bench.peers.get(provider)
+    factory = harness.provider_factory(bench, provider)
     if factory is None:
         raise ValueError(f"{bench.name} has no provider {provider!r}")
     inputs = bench.make_inputs(params, torch.bfloat16 if device == "cuda" else torch.float32, device)

@@ -1,7 +1,7 @@
 """Time an op's kernel variants side by side in one process, at its benchmark's points.
 
     python -m tools.kernel_variants SPEC.json [--points 8192,llama-3-8b] [--mode full] [--rounds 2]
-                                              [--peers liger,torch_compile] [--out FILE.json]
+                                              [--peers liger,torch_compile] [--device-time] [--out FILE.json]
 
 ``SPEC.json`` names the op and its variants, each a list of text substitutions in the op's module
 (``src/onca/ops/<op>.py``)::
@@ -23,8 +23,9 @@ configurations cached by Onca are dropped at each swap (a constant may have chan
 
 Each point's inputs are made once (the benchmark's ``make_inputs``); the variants and the peers
 take turns for ``--rounds`` rounds, each keeping its fastest ``do_bench`` median (on a CPU: one
-timed call, the interpreter's; for checking a spec, not for timing), printed with the base's time
-over each (above 1: faster than the base). A point small enough for Onca's small-call route runs
+timed call, the interpreter's; for checking a spec, not for timing; ``--device-time``: the median of
+the call replayed from a CUDA graph, the harness's device time, where a host-bound point's wall
+clock says nothing of the kernels), printed with the base's time over each (above 1: faster than the base). A point small enough for Onca's small-call route runs
 torch's op instead of the kernels (reported; ``ONCA_SMALL_CALL_LIMIT=0`` turns the route off).
 Before timing, every variant's outputs and input gradients from fresh inputs are compared with the
 base's: bitwise equal, or the largest absolute difference. Names another module imported from the op's module (``from ... import
@@ -156,10 +157,21 @@ def _time_once(fn, on_gpu: bool) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def _device_time_once(factory, params, inputs, leaves, mode: str, device: str) -> float:
+    """Milliseconds of one call replayed from a CUDA graph (the harness's device time: the host
+    path left out); inf where the call cannot be captured."""
+    timer = harness.Harness(harness.Settings(device=device), progress=False)
+    ms = timer._device_ms(build(factory, params, inputs, mode), leaves, mode)
+    return float("inf") if ms is None else ms
+
+
 def time_points(bench, module, variants: dict, points: list, *, device: str, dtype=torch.bfloat16,
-                mode: str = "full", rounds: int = 2, peers: tuple = (), report=print) -> dict:
-    """``{x: {name: ms}}`` for the base, every variant and every peer, at each ``(x, params)``."""
+                mode: str = "full", rounds: int = 2, peers: tuple = (), device_time: bool = False,
+                report=print) -> dict:
+    """``{x: {name: ms}}`` for the base, every variant and every peer, at each ``(x, params)``;
+    ``device_time`` (GPU only): each call replayed from a CUDA graph instead of timed as called."""
     on_gpu = torch.device(device).type == "cuda"
+    device_time = device_time and on_gpu
     results = {}
     for x, params in points:
         base = _result(bench, params, device, dtype, mode)
@@ -184,7 +196,9 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
                     if small_calls.taken != taken and factory is bench.onca:
                         report(f"{x} {name}: took the small-call route (torch's op), not the kernels; "
                                "ONCA_SMALL_CALL_LIMIT=0 turns it off")
-                    best[name] = min(best[name], _time_once(step, on_gpu))
+                    ms = (_device_time_once(factory, params, inputs, leaves, mode, device) if device_time
+                          else _time_once(step, on_gpu))
+                    best[name] = min(best[name], ms)
         results[str(x)] = best
         # The base's time over each one's: above 1, faster than the base.
         ratios = "  ".join(f"{n} {ms:.3f} ({best['base'] / ms:.2f}x)" for n, ms in best.items())
@@ -203,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default="",
                         help="comma-separated: torch, torch_compile, liger, or a peer the benchmark declares")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--device-time", action="store_true",
+                        help="time each call replayed from a CUDA graph (the host path left out)")
     parser.add_argument("--out", help="write the times (ms) to this JSON file")
     args = parser.parse_args(argv)
     spec = json.load(open(args.spec))
@@ -224,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     for name, subs in spec["variants"].items()}
         peers = tuple(p for p in args.peers.split(",") if p)
         results = time_points(bench, module, variants, points, device=device, dtype=dtype, mode=args.mode,
-                              rounds=args.rounds, peers=peers)
+                              rounds=args.rounds, peers=peers, device_time=args.device_time)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
