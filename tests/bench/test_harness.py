@@ -458,6 +458,24 @@ def test_below_peers_counts_the_points_at_the_copy_bandwidth_limit():
                          "    d1 3: 0.50x liger"]
 
 
+def test_below_peers_gives_onca_s_share_of_a_limit_row_and_counts_the_points_at_85_percent():
+    """A matmul-bound op behind a peer shows its speed as a share of the limit row's (the matmuls
+    it must do, alone); at 85% or more of it the point is counted as at that limit."""
+    from onca.bench.report import below_peers
+
+    def row(provider, x, value):
+        return {"kernel_name": "op", "sweep": "d2", "x_value": x, "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": "speed", "kernel_provider": provider, "y_value_50": value}
+
+    rows = [row("onca", "a", 10.0), row("torch_compile", "a", 9.5), row("gemm_limit", "a", 9.0),
+            row("onca", "b", 10.0), row("torch_compile", "b", 8.0), row("gemm_limit", "b", 8.0)]
+    lines = below_peers(rows).splitlines()
+    assert lines[0].startswith("op: below the fastest peer at 2 of 2 points (1 at 85% or more of a limit "
+                               "row's speed);")
+    assert lines[1:] == ["    d2 a: 0.95x torch_compile (onca at 90% of gemm_limit's speed)",
+                         "    d2 b: 0.80x torch_compile (onca at 80% of gemm_limit's speed)"]
+
+
 def test_below_peers_shows_the_device_time_and_counts_host_bound_points():
     """A point onca loses by wall clock but whose kernels are at or ahead of the peer's in CUDA-graph
     replay is host-bound, and said so; a newer row without a device time drops the older one's."""

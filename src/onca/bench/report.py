@@ -154,14 +154,18 @@ LIMIT_SUFFIX = "_limit"
 # must move over its time) is at the hardware's limit: a peer ahead of it there is within the
 # noise of that limit, not a kernel to beat (issue 13's criterion).
 AT_COPY_LIMIT_PCT = 85.0
+# A matmul-bound op at this share of its limit row's speed (``gemm_limit``: the cuBLAS matmuls it
+# must do, timed alone) is at that limit (issue 13's target for fused linear cross entropy).
+AT_LIMIT_ROW_PCT = 85.0
 
 
 def below_peers(rows: list[dict], mode: str = "full") -> str:
     """Per kernel and GPU, over every D1/D2 point of ``mode``: how many points onca is below the
     fastest peer (its time / onca's below 1), each such point with that ratio, the peer and onca's
     share of the copy bandwidth where known, how many of those points onca is at the copy-bandwidth
-    limit (``AT_COPY_LIMIT_PCT``), onca's and the peer's device time where both were measured (at
-    or below the peer's: the point is host-bound), and onca's largest peak memory relative to
+    limit (``AT_COPY_LIMIT_PCT``), onca's speed as a share of each limit row's there (and how many
+    points are at ``AT_LIMIT_ROW_PCT`` or more of one), onca's and the peer's device time where both
+    were measured (at or below the peer's: the point is host-bound), and onca's largest peak memory relative to
     liger-kernel's. A ratio only ever compares rows of one GPU; a kernel measured on two GPUs gets
     a line for each (the newest onca run's GPU first). Empty if there are no such records."""
     speed: dict[tuple, dict[str, float]] = {}
@@ -197,7 +201,7 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
     for op, gpu in order:
         points = [(k, v) for k, v in speed.items() if k[:2] == (op, gpu) and "onca" in v
                   and any(p != "onca" and not p.endswith(LIMIT_SUFFIX) for p in v)]
-        behind, at_limit, host_bound = [], 0, 0
+        behind, at_limit, at_gemm_limit, host_bound = [], 0, 0, 0
         for key, times in points:
             peers = [(p, t) for p, t in times.items() if p != "onca" and not p.endswith(LIMIT_SUFFIX)]
             peer, best = min(peers, key=lambda pt: pt[1])
@@ -205,6 +209,9 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
                 pct = copy_pct.get(key)
                 at_limit += pct is not None and pct >= AT_COPY_LIMIT_PCT
                 causes = [] if pct is None else [f"onca at {pct:.0f}% of copy bandwidth"]
+                limits = _limit_shares(times)
+                at_gemm_limit += any(share >= AT_LIMIT_ROW_PCT for _, share in limits)
+                causes += [f"onca at {share:.0f}% of {name}'s speed" for name, share in limits]
                 ours, theirs = device.get(key, {}).get("onca"), device.get(key, {}).get(peer)
                 if ours is not None and theirs is not None:
                     # Onca's kernels at or ahead of the peer's: what it loses is host time.
@@ -219,6 +226,8 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
                        else "no liger-kernel memory to compare")
         on = f" on {short_gpu_name(gpu)} ({newest[(op, gpu)][:10]})" if gpu else ""
         notes = [f"{at_limit} of them at the copy-bandwidth limit"] if at_limit else []
+        if at_gemm_limit:
+            notes.append(f"{at_gemm_limit} at {AT_LIMIT_ROW_PCT:.0f}% or more of a limit row's speed")
         if host_bound:
             notes.append(f"{host_bound} host-bound, onca's device time at or below the peer's")
         limit_note = f" ({', '.join(notes)})" if notes else ""
@@ -226,6 +235,15 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
                      f"{limit_note}; {memory_note}")
         lines += [f"    {b}" for b in behind]
     return "\n".join(lines)
+
+
+def _limit_shares(times: dict[str, float]) -> list[tuple[str, float]]:
+    """Onca's speed at a point as a percentage of each limit row's there (``gemm_limit``: the
+    matmuls it must do, alone), by wall clock: a limit row is matmul-bound, milliseconds long, with
+    no host path to speak of (and a CUDA-graph capture can change an op's plan: a chunk sized from
+    the free memory sees the graph's pool)."""
+    return [(name, 100.0 * limit / times["onca"]) for name, limit in sorted(times.items())
+            if name.endswith(LIMIT_SUFFIX)]
 
 
 def _fmt(value: float, digits: int, suffix: str = "") -> str:
