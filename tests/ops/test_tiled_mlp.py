@@ -86,6 +86,27 @@ def test_shards_do_not_change_the_result(device):
             assert_close(a, e, torch.float32)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is measured on a GPU")
+def test_one_shard_backward_keeps_at_most_four_activation_sized_tensors():
+    """With one shard and ``tokens == hidden`` a shard's activation and a weight have one size: the
+    backward's peak above what it started with is ``dx`` and four such tensors (the weight
+    gradients allocated as they are computed, the activations dropped after their last use); it
+    was six while the three gradients were zeroed up front."""
+    t, i = 2048, 8192
+    x, ws = make((1, t, t, i, 1), torch.bfloat16, "cuda")
+    xl, wl = leaf(x), [leaf(w) for w in ws]
+    out = tiled_mlp(xl, *wl, num_shards=1)
+    g = torch.randn_like(out)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out.backward(g)
+    torch.cuda.synchronize()
+    unit = t * i * 2  # bytes of one (shard, intermediate) activation, and of one weight
+    peak = torch.cuda.max_memory_allocated() - start
+    assert peak <= x.numel() * 2 + 4.5 * unit, f"{peak / unit:.2f} activation-sized tensors"
+
+
 def test_default_num_shards():
     from onca.ops.tiled_mlp import default_num_shards
 

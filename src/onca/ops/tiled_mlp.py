@@ -74,22 +74,36 @@ def _(x, w_gate, w_up, w_down, activation, num_shards):
 @custom_op("tiled_mlp_backward")
 def tiled_mlp_backward(dout: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, activation: int,
                        num_shards: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dW_gate, dW_up, dW_down)``, recomputing each shard's activations."""
+    """``(dx, dW_gate, dW_up, dW_down)``, recomputing each shard's activations. The first shard
+    writes the weight gradients, each allocated only when its matmul runs, and every activation is
+    dropped after its last use: with one shard (``seq <= hidden``) at most four ``(shard,
+    intermediate)``-or-weight-sized tensors are alive, not six."""
     dx = torch.empty_like(x)
-    dwg, dwu, dwd = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
-    for start, n in _shards(x.shape[0], num_shards):
+    shards = _shards(x.shape[0], num_shards)
+    if not shards:
+        return dx, torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
+    dwg = dwu = dwd = None
+    for start, n in shards:
         xs, ds = x.narrow(0, start, n), dout.narrow(0, start, n)
         gate, up = xs @ w_gate.t(), xs @ w_up.t()
         dh = ds @ w_down
         # d_gate over gate, d_up over up, the recomputed product over dh (each read before written).
         _glu._product_backward(dh, gate, up, gate, up, activation, 1.0, 1.0, product=dh)
-        dwd.addmm_(ds.t(), dh)
-        dwg.addmm_(gate.t(), xs)
-        dwu.addmm_(up.t(), xs)
+        dwd = _accumulate(dwd, ds.t(), dh)
+        del dh
         dxs = dx.narrow(0, start, n)
         torch.mm(gate, w_gate, out=dxs)
         dxs.addmm_(up, w_up)
+        dwg = _accumulate(dwg, gate.t(), xs)
+        del gate
+        dwu = _accumulate(dwu, up.t(), xs)
+        del up
     return dx, dwg, dwu, dwd
+
+
+def _accumulate(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` added to ``total`` in place, or, for the first shard, a new tensor."""
+    return a @ b if total is None else total.addmm_(a, b)
 
 
 @tiled_mlp_backward.register_fake
