@@ -50,7 +50,12 @@ def test_fused_linear_jsd_module(device):
     ref.backward()
     assert_close(shk.grad, sh64.grad, torch.float32, "dstudent_hidden")
     assert_close(head.weight.grad, sw64.grad, torch.float32, "dstudent_weight")
-    assert "temperature=1.5" in repr(module)
+    assert "temperature=1.5" in repr(module) and "accum_dtype" not in repr(module)
+    fp32 = onca.nn.FusedLinearJSD(beta=0.7, temperature=1.5, accum_dtype=torch.float32)
+    assert "accum_dtype=torch.float32" in repr(fp32)
+    assert_close(fp32(sh, head.weight, th, tw, labels), ref, torch.float32, "loss (fp32 accumulation)")
+    with pytest.raises(ValueError, match="accum_dtype must be None or a floating torch.dtype"):
+        onca.nn.FusedLinearJSD(accum_dtype="fp32")
 
 
 @pytest.mark.parametrize("cls", [onca.nn.JSD, onca.nn.FusedLinearJSD])

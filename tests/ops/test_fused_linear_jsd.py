@@ -52,9 +52,10 @@ def reference(sh, sw, th, tw, labels, beta, temperature, reduction="mean"):
     return reduce_tokens(divergence_per_token(log_q, log_p, beta), labels, reduction), sh64, sw64
 
 
-def check(sh, sw, th, tw, labels=None, beta=0.5, temperature=1.0, reduction="mean", grad=1.0):
+def check(sh, sw, th, tw, labels=None, beta=0.5, temperature=1.0, reduction="mean", grad=1.0,
+          accum_dtype=None):
     shk, swk = leaf(sh), leaf(sw)
-    loss = fused_linear_jsd(shk, swk, th, tw, labels, beta, IGNORE, temperature, reduction)
+    loss = fused_linear_jsd(shk, swk, th, tw, labels, beta, IGNORE, temperature, reduction, accum_dtype)
     ref, sh64, sw64 = reference(sh, sw, th, tw, labels, beta, temperature, reduction)
     assert loss.dtype == sh.dtype and loss.shape == ()
     assert_close(loss, ref, sh.dtype, "loss")
@@ -67,20 +68,56 @@ def check(sh, sw, th, tw, labels=None, beta=0.5, temperature=1.0, reduction="mea
 
 
 @pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 0.7)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matches_reference(profile, device, chunk_tokens, dtype, beta, temperature):
+@pytest.mark.parametrize("dtype, accum_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                (torch.bfloat16, torch.float32)], ids=str)
+def test_matches_reference(profile, device, chunk_tokens, dtype, accum_dtype, beta, temperature):
     tokens, hidden, _, vocab = BASE
     chunk_tokens(16, vocab)  # several chunks, the last one short
     assert op.chunk_plan(tokens, vocab, hidden, device).n_chunks > 1
-    check(*make_inputs(*BASE, dtype, device, ignore_every=3), beta=beta, temperature=temperature)
+    check(*make_inputs(*BASE, dtype, device, ignore_every=3), beta=beta, temperature=temperature,
+          accum_dtype=accum_dtype)
 
 
-def test_weight_gradient_written_by_the_first_chunk(device, chunk_tokens, poisoned_empty):
-    """Several chunks with every fresh buffer NaN: the fp32 weight gradient is written by the first
-    chunk, not zero-filled and added into."""
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=str)
+def test_weight_gradient_written_by_the_first_chunk(device, chunk_tokens, poisoned_empty, accum_dtype):
+    """Several chunks with every fresh buffer NaN: the weight gradient (in the head's dtype or an
+    fp32 accumulator) is written by the first chunk, not zero-filled and added into."""
     tokens, hidden, _, vocab = BASE
     chunk_tokens(16, vocab)
-    check(*make_inputs(*BASE, torch.bfloat16, device, ignore_every=3), beta=0.5)
+    check(*make_inputs(*BASE, torch.bfloat16, device, ignore_every=3), beta=0.5, accum_dtype=accum_dtype)
+
+
+def test_both_accumulations_give_the_head_s_dtype_and_agree(device, chunk_tokens):
+    """bf16 head over many chunks: the default sums the weight gradient in bf16 (a rounding per
+    chunk), ``accum_dtype=torch.float32`` in fp32 (one rounding at the end); both come out in the
+    head's dtype, each within bf16's tolerance of the float64 reference (``check``) and of each other."""
+    tokens, hidden, _, vocab = BASE
+    chunk_tokens(16, vocab)
+    inputs = make_inputs(*BASE, torch.bfloat16, device, ignore_every=3)
+    _, _, dw_head = check(*inputs)
+    _, _, dw_fp32 = check(*inputs, accum_dtype=torch.float32)
+    assert dw_head.dtype == dw_fp32.dtype == torch.bfloat16
+    assert_close(dw_head, dw_fp32, torch.bfloat16, "dW: head dtype vs fp32 accumulation")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is measured on a GPU")
+def test_default_accumulation_holds_no_fp32_head_sized_buffer():
+    """The forward's peak with the default (the head's dtype) is at least a bf16 head below the
+    fp32 accumulator's (which holds twice the head's size, then its cast beside it)."""
+    tokens, hidden, vocab = 1024, 1024, 32768
+    sh, sw, th, tw, labels = make_inputs(tokens, hidden, hidden, vocab, torch.bfloat16, "cuda")
+    peaks = {}
+    for accum_dtype in (None, torch.float32):
+        shk, swk = leaf(sh), leaf(sw)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = fused_linear_jsd(shk, swk, th, tw, labels, accum_dtype=accum_dtype)
+        torch.cuda.synchronize()
+        peaks[accum_dtype] = torch.cuda.max_memory_allocated() - start
+        del loss, shk, swk
+    head = vocab * hidden * 2
+    assert peaks[torch.float32] - peaks[None] >= head, {k: v / head for k, v in peaks.items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
@@ -229,6 +266,8 @@ def test_bad_input(device):
         fused_linear_jsd(sh, sw, th, tw, temperature=0.0)
     with pytest.raises(ValueError, match="reduction"):
         fused_linear_jsd(sh, sw, th, tw, reduction="none")
+    with pytest.raises(ValueError, match="accum_dtype must be None, torch.float32 or the weight's dtype"):
+        fused_linear_jsd(sh, sw, th, tw, accum_dtype=torch.float16)
     with pytest.raises(ValueError, match="labels must have shape"):
         fused_linear_jsd(sh, sw, th, tw, labels[:5])
     with pytest.raises(TypeError, match="labels must be an int32 or int64"):
