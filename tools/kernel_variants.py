@@ -25,8 +25,9 @@ Each point's inputs are made once (the benchmark's ``make_inputs``); the variant
 take turns for ``--rounds`` rounds, each keeping its fastest ``do_bench`` median (on a CPU: one
 timed call, the interpreter's; for checking a spec, not for timing; ``--device-time``: the median of
 the call replayed from a CUDA graph, the harness's device time, where a host-bound point's wall
-clock says nothing of the kernels), printed with the base's time over each (above 1: faster than the base). A point small enough for Onca's small-call route runs
-torch's op instead of the kernels (reported; ``ONCA_SMALL_CALL_LIMIT=0`` turns the route off).
+clock says nothing of the kernels), printed with the base's time over each (above 1: faster than
+the base). A point small enough for Onca's small-call route runs torch's op instead of the kernels
+(reported; ``ONCA_SMALL_CALL_LIMIT=0`` turns the route off).
 Before timing, every variant's outputs and input gradients from fresh inputs are compared with the
 base's: bitwise equal, or the largest absolute difference. Names another module imported from the op's module (``from ... import
 _kernel``) keep the base's object: substitute in that module instead.

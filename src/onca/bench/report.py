@@ -165,8 +165,8 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
     share of the copy bandwidth where known, how many of those points onca is at the copy-bandwidth
     limit (``AT_COPY_LIMIT_PCT``), onca's speed as a share of each limit row's there (and how many
     points are at ``AT_LIMIT_ROW_PCT`` or more of one), onca's and the peer's device time where both
-    were measured (at or below the peer's: the point is host-bound), and onca's largest peak memory relative to
-    liger-kernel's. A ratio only ever compares rows of one GPU; a kernel measured on two GPUs gets
+    were measured (at or below the peer's: the point is host-bound), and onca's largest peak memory
+    relative to liger-kernel's. A ratio only ever compares rows of one GPU; a kernel measured on two GPUs gets
     a line for each (the newest onca run's GPU first). Empty if there are no such records."""
     speed: dict[tuple, dict[str, float]] = {}
     memory: dict[tuple, dict[str, float]] = {}

@@ -119,7 +119,8 @@ def fused_linear_jsd_forward(student_hidden: Tensor, student_weight: Tensor, tea
         if dw is not None:
             dw.zero_()
     loss = sum_scaled(row_loss, sh.dtype, factor=scale)
-    return loss, dh, dw.to(sw.dtype) if dw is not None else sw.new_empty(0)  # no copy when dw has it
+    # ``to`` returns ``dw`` itself when it is already in the head's dtype.
+    return loss, dh, dw.to(sw.dtype) if dw is not None else sw.new_empty(0)
 
 
 @fused_linear_jsd_forward.register_fake

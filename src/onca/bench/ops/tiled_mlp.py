@@ -44,7 +44,8 @@ def liger(p, inputs):
     config = types.SimpleNamespace(hidden_size=p["hidden"], intermediate_size=p["intermediate"], hidden_act="silu")
     x = inputs["x"]
     mlp = LigerTiledSwiGLUMLP(config).to(device=x.device, dtype=x.dtype)
-    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight = inputs["gate"], inputs["up"], inputs["down"]
+    mlp.gate_proj.weight, mlp.up_proj.weight = inputs["gate"], inputs["up"]
+    mlp.down_proj.weight = inputs["down"]
     return lambda: mlp(x)
 
 
