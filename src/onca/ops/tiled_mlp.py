@@ -41,12 +41,10 @@ def default_num_shards(x_shape, hidden: int) -> int:
     return max(1, math.ceil(seq / hidden))
 
 
-def _shards(tokens: int, num_shards: int) -> list[tuple[int, int]]:
-    """``torch.chunk``'s split of ``tokens`` rows into at most ``num_shards`` pieces."""
-    if tokens == 0:
-        return []
-    step = -(-tokens // num_shards)
-    return [(s, min(step, tokens - s)) for s in range(0, tokens, step)]
+def _shards(rows: Tensor, num_shards: int) -> tuple[Tensor, ...]:
+    """``rows`` in at most ``num_shards`` consecutive pieces, as ``torch.chunk`` splits them (views,
+    made in one call); none where there are no rows."""
+    return rows.chunk(num_shards) if rows.shape[0] else ()
 
 
 def plan(shape, dtype: torch.dtype, profile=None) -> dict[str, RowPlan]:
@@ -59,10 +57,10 @@ def tiled_mlp_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, a
                       num_shards: int) -> Tensor:
     """``(tokens, hidden)`` output for ``(tokens, hidden)`` ``x``, shard by shard."""
     out = x.new_empty((x.shape[0], w_down.shape[0]))
-    for start, n in _shards(x.shape[0], num_shards):
-        xs = x.narrow(0, start, n)
-        h = _glu._product(xs @ w_gate.t(), xs @ w_up.t(), activation, 1.0, 1.0)
-        torch.mm(h, w_down.t(), out=out.narrow(0, start, n))
+    gate_t, up_t, down_t = w_gate.t(), w_up.t(), w_down.t()  # once, not per shard: host time
+    for xs, out_s in zip(_shards(x, num_shards), _shards(out, num_shards)):
+        h = _glu._product(xs @ gate_t, xs @ up_t, activation, 1.0, 1.0)
+        torch.mm(h, down_t, out=out_s)
     return out
 
 
@@ -79,19 +77,17 @@ def tiled_mlp_backward(dout: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_
     dropped after its last use: with one shard (``seq <= hidden``) at most four ``(shard,
     intermediate)``-or-weight-sized tensors are alive, not six."""
     dx = torch.empty_like(x)
-    shards = _shards(x.shape[0], num_shards)
-    if not shards:
+    if x.shape[0] == 0:
         return dx, torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
     dwg = dwu = dwd = None
-    for start, n in shards:
-        xs, ds = x.narrow(0, start, n), dout.narrow(0, start, n)
-        gate, up = xs @ w_gate.t(), xs @ w_up.t()
+    gate_t, up_t = w_gate.t(), w_up.t()
+    for xs, ds, dxs in zip(_shards(x, num_shards), _shards(dout, num_shards), _shards(dx, num_shards)):
+        gate, up = xs @ gate_t, xs @ up_t
         dh = ds @ w_down
         # d_gate over gate, d_up over up, the recomputed product over dh (each read before written).
         _glu._product_backward(dh, gate, up, gate, up, activation, 1.0, 1.0, product=dh)
         dwd = _accumulate(dwd, ds.t(), dh)
         del dh
-        dxs = dx.narrow(0, start, n)
         torch.mm(gate, w_gate, out=dxs)
         dxs.addmm_(up, w_up)
         dwg = _accumulate(dwg, gate.t(), xs)
