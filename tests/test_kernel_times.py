@@ -17,7 +17,8 @@ def test_lists_each_provider_and_reports_failures(capsys):
     out = capsys.readouterr().out
     assert "== rms_norm onca {'tokens': 16, 'hidden': 1024} (CPU ops, not a measurement)" in out
     assert "== rms_norm torch" in out and "aten::" in out
-    assert "== rms_norm torch_compile" in out and "Torch-Compiled Region" in out  # the harness's provider
+    # The harness's compiled provider runs (its top ops differ between runs: no op name checked).
+    assert "== rms_norm torch_compile {" in out and "torch_compile: failed" not in out
     assert "== rms_norm nope: failed: ValueError: rms_norm has no provider 'nope'" in out
 
 
