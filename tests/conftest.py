@@ -49,6 +49,17 @@ def profile(request, monkeypatch):
 
 
 @pytest.fixture
+def gpu_profile(monkeypatch):
+    """Run the test under the H200 profile, whatever the device: a GPU's plans (one program per
+    unit of work, its tile sizes) executed by the interpreter on the CPU."""
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h200")
+    onca_device.reset()
+    yield onca_device.get_profile()
+    monkeypatch.delenv("ONCA_DEVICE_PROFILE", raising=False)
+    onca_device.reset()
+
+
+@pytest.fixture
 def onchip_bytes(monkeypatch):
     """Force a small on-chip budget (so wide rows take the column-tiled path); returns a setter."""
 

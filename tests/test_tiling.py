@@ -16,7 +16,8 @@ TILES = [dict(live_tiles=3, fp32_tiles=2), dict(live_tiles=4, fp32_tiles=4), dic
          dict(live_tiles=4, fp32_tiles=4, column_fp32=3),
          dict(live_tiles=4, fp32_tiles=4, column_fp32=3, row_state=False, min_gpu_rows=4, max_gpu_rows=4),
          dict(live_tiles=2, fp32_tiles=4, gpu_whole_two_pass=True),
-         dict(live_tiles=2, fp32_tiles=3, gpu_streaming=True)]
+         dict(live_tiles=2, fp32_tiles=3, gpu_streaming=True),
+         dict(live_tiles=5, fp32_tiles=6, elementwise=True)]
 
 
 def _bytes_per_col(dtype, tiles):
@@ -52,6 +53,9 @@ def _check_plan(profile, shape, dtype, tiles, persistent):
         if profile.persistent:
             assert p.grid <= profile.compute_units
     assert p.persistent == (profile.persistent if persistent is None else persistent)
+    # A grid that is not persistent has one program per unit of work (row block, or job).
+    if not p.persistent:
+        assert p.grid == p.jobs
     # A row wider than one block is split into column tiles; otherwise one pass.
     assert p.col_tiles == -(-cols // p.block_cols)
     assert p.single_pass == (cols <= p.block_cols)
@@ -149,6 +153,24 @@ def test_gpu_streaming():
     for name in ("ascend910b2", "cpu-interpreter"):
         other = {**vocab, "profile": PROFILES[name]}
         assert plan_rows(**other, gpu_streaming=True) == plan_rows(**other)
+
+
+def test_elementwise():
+    """An elementwise map plans (row block, column tile) jobs: on a GPU one program per job of at
+    most ``tile_elements`` (2048) elements at 8 a thread; a persistent profile keeps its capped grid
+    and its budget's tiles, as a map without row state."""
+    mlp = dict(rows=16384, cols=14336, dtype=torch.bfloat16, live_tiles=5, fp32_tiles=6)
+    p = plan_rows(**mlp, profile=PROFILES["h200"], elementwise=True)
+    assert (p.block_rows, p.block_cols, p.col_tiles, p.num_warps) == (1, 2048, 7, 8)
+    assert p.grid == p.jobs == 16384 * 7 and not p.row_state
+    narrow = plan_rows(**{**mlp, "cols": 520}, profile=PROFILES["h200"], elementwise=True)
+    assert (narrow.block_rows, narrow.block_cols, narrow.grid) == (2, 1024, 8192)
+    for name in ("ascend910b2", "cpu-interpreter"):
+        other = plan_rows(**mlp, profile=PROFILES[name], elementwise=True)
+        stateless = plan_rows(**mlp, profile=PROFILES[name], row_state=False)
+        assert (other.block_rows, other.block_cols, other.col_tiles) == (
+            stateless.block_rows, stateless.block_cols, stateless.col_tiles)
+        assert other.jobs == other.row_blocks * other.col_tiles and other.grid <= PROFILES[name].compute_units
 
 
 def test_narrow_rows_share_a_tile():

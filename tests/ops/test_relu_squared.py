@@ -42,6 +42,14 @@ def test_shapes(profile, device, shape):
     check(randn(*shape, dtype=torch.bfloat16, device=device))
 
 
+def test_gpu_plan_one_program_per_tile(gpu_profile, device):
+    """A GPU plan runs one (row block, column tile) job a program: three 2048-column tiles a row,
+    the last one partial."""
+    plans = op.plan((9, 4100), torch.bfloat16)
+    assert all(p.col_tiles == 3 and p.grid == p.jobs == 27 for p in plans.values()), plans
+    check(randn(9, 4100, dtype=torch.bfloat16, device=device, std=2.0))
+
+
 def test_column_tiled_path(profile, device, onchip_bytes):
     forced = onchip_bytes(2048 if SCALE == "cpu" else 65536)
     plans = op.plan((9, TILED_COLS), torch.bfloat16, forced)

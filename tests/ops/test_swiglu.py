@@ -167,6 +167,20 @@ def test_column_tiled_path(profile, device, onchip_bytes, dtype):
         check_linear(a, b, w, None, "silu", overwrite_inputs=True)
 
 
+def test_gpu_plan_one_program_per_tile(gpu_profile, device):
+    """A GPU plan runs one (row block, column tile) job a program: rows of three 2048-column tiles,
+    the last one partial, as separate tensors and as the strided halves of ``[gate | up]``."""
+    cols = 4100
+    plans = op.plan((9, cols), torch.bfloat16)
+    assert all(p.col_tiles == 3 and p.grid == p.jobs == 27 for p in plans.values()), plans
+    gate_up = randn(9, 2 * cols, dtype=torch.bfloat16, device=device, std=2.0)
+    check(*gate_up.chunk(2, dim=-1))
+    check(gate_up[:, :cols], gate_up[:, cols:], "gelu_tanh", gate_multiplier=0.5, down_multiplier=2.0)
+    a, b = gate_up.chunk(2, dim=-1)
+    check_linear(a, b, randn(HIDDEN, cols, dtype=torch.bfloat16, device=device, std=0.05), None, "silu",
+                 overwrite_inputs=True)
+
+
 def test_overwrite_inputs_writes_the_gradients_over_a_and_b(device):
     a = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device, std=2.0)
     b = randn(*BASE_SHAPE, dtype=torch.bfloat16, device=device)

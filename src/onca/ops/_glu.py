@@ -37,9 +37,10 @@ Each op is a pair of custom ops registered by :func:`register_gated` (``<op>_for
 ``overwrite_inputs`` acts on the eager route only: a traced graph (``torch.compile``) writes new
 buffers and mutates nothing.
 
-Every kernel loops over row blocks (``for rb in tl.range(pid, n_row_blocks, n_programs)``) and,
-within a row block, over the column tiles the plan splits a row into: elements are independent, so
-there is no reduction and one loop serves the single-tile and the column-tiled plans alike.
+Every kernel loops over (row block, column tile) jobs (``for job in tl.range(pid, n_row_blocks *
+COL_TILES, n_programs)``): elements are independent, so there is no reduction, and one loop serves
+the single-tile and the column-tiled plans alike. On a GPU the grid has a program per job; a
+persistent plan (Ascend) gives each program its share of them.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ __all__ = ["ACTIVATIONS", "gated", "gated_linear", "plan", "register_gated", "re
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 # Live tiles of each kernel (input-dtype tiles, fp32 tiles), as the planner counts them.
-FORWARD_TILES = dict(live_tiles=3, fp32_tiles=4)  # a, b, c; a, b, act(a), c in fp32
-BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=6)  # dc, a, b, da, db; dc, a, b, act, act', da/db
+# Every kernel is an elementwise map: one (row block, column tile) job a program on a GPU (see
+# ``plan_rows``).
+FORWARD_TILES = dict(live_tiles=3, fp32_tiles=4, elementwise=True)  # a, b, c; a, b, act(a), c in fp32
+# dc, a, b, da, db; dc, a, b, act, act', da/db in fp32
+BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=6, elementwise=True)
 # The MLP tail's backward also stores the recomputed product.
-PRODUCT_BACKWARD_TILES = dict(live_tiles=6, fp32_tiles=7)
+PRODUCT_BACKWARD_TILES = dict(live_tiles=6, fp32_tiles=7, elementwise=True)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -124,22 +128,19 @@ def _glu_forward_kernel(
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, n_programs):
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    for job in tl.range(pid, n_row_blocks * COL_TILES, n_programs):
+        rows = (job // COL_TILES) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
-        a_rows = a_ptr + rows64 * a_row_stride
-        b_rows = b_ptr + rows64 * b_row_stride
-        c_rows = c_ptr + rows64 * c_row_stride
-        for tile in range(COL_TILES):
-            cols = (tile * BLOCK_COLS + col_offsets)[None, :]
-            mask = row_mask[:, None] & (cols < n_cols)
-            a = _scaled_gate(tl.load(a_rows + cols, mask=mask, other=0.0), gate_multiplier, DTYPE)
-            h, _ = _activation(a, ACTIVATION, False)
-            # act(a) rounded to the input dtype, as the Hugging Face MLP materialises it
-            h = h.to(DTYPE).to(tl.float32)
-            b = tl.load(b_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(c_rows + cols, (h * b * down_multiplier).to(DTYPE), mask=mask)
+        cols = ((job % COL_TILES) * BLOCK_COLS + col_offsets)[None, :]
+        mask = row_mask[:, None] & (cols < n_cols)
+        a = _scaled_gate(tl.load(a_ptr + rows64 * a_row_stride + cols, mask=mask, other=0.0), gate_multiplier,
+                         DTYPE)
+        h, _ = _activation(a, ACTIVATION, False)
+        # act(a) rounded to the input dtype, as the Hugging Face MLP materialises it
+        h = h.to(DTYPE).to(tl.float32)
+        b = tl.load(b_ptr + rows64 * b_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptr + rows64 * c_row_stride + cols, (h * b * down_multiplier).to(DTYPE), mask=mask)
 
 
 @fast_launch
@@ -162,29 +163,24 @@ def _glu_backward_kernel(
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, n_programs):
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    for job in tl.range(pid, n_row_blocks * COL_TILES, n_programs):
+        rows = (job // COL_TILES) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
-        dc_rows = dc_ptr + rows64 * dc_row_stride
-        a_rows = a_ptr + rows64 * a_row_stride
-        b_rows = b_ptr + rows64 * b_row_stride
-        da_rows = da_ptr + rows64 * da_row_stride
-        db_rows = db_ptr + rows64 * db_row_stride
-        c_rows = c_ptr + rows64 * c_row_stride
-        for tile in range(COL_TILES):
-            cols = (tile * BLOCK_COLS + col_offsets)[None, :]
-            mask = row_mask[:, None] & (cols < n_cols)
-            # the gradient of the unscaled product act(a) * b
-            dp = tl.load(dc_rows + cols, mask=mask, other=0.0).to(tl.float32) * down_multiplier
-            a = _scaled_gate(tl.load(a_rows + cols, mask=mask, other=0.0), gate_multiplier, DTYPE)
-            b = tl.load(b_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            h, dh = _activation(a, ACTIVATION, True)
-            h = h.to(DTYPE).to(tl.float32)  # the rounded act(a) the forward multiplied by
-            if STORE_C:
-                tl.store(c_rows + cols, (h * b * down_multiplier).to(DTYPE), mask=mask)
-            tl.store(da_rows + cols, (dp * b * dh * gate_multiplier).to(DTYPE), mask=mask)
-            tl.store(db_rows + cols, (dp * h).to(DTYPE), mask=mask)
+        cols = ((job % COL_TILES) * BLOCK_COLS + col_offsets)[None, :]
+        mask = row_mask[:, None] & (cols < n_cols)
+        # the gradient of the unscaled product act(a) * b
+        dp = tl.load(dc_ptr + rows64 * dc_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dp = dp * down_multiplier
+        a = _scaled_gate(tl.load(a_ptr + rows64 * a_row_stride + cols, mask=mask, other=0.0), gate_multiplier,
+                         DTYPE)
+        b = tl.load(b_ptr + rows64 * b_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        h, dh = _activation(a, ACTIVATION, True)
+        h = h.to(DTYPE).to(tl.float32)  # the rounded act(a) the forward multiplied by
+        if STORE_C:
+            tl.store(c_ptr + rows64 * c_row_stride + cols, (h * b * down_multiplier).to(DTYPE), mask=mask)
+        tl.store(da_ptr + rows64 * da_row_stride + cols, (dp * b * dh * gate_multiplier).to(DTYPE), mask=mask)
+        tl.store(db_ptr + rows64 * db_row_stride + cols, (dp * h).to(DTYPE), mask=mask)
 
 
 # --------------------------------------------------------------------------------------- launchers

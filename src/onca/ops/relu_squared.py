@@ -7,8 +7,8 @@ so the two agree). Saved for backward: the input ``x``; the backward pass is
 ``dx = 2 * relu(x) * dy``, in fp32, stored in the input's dtype (0 where ``x <= 0``; NaN where
 ``x`` is NaN, as torch).
 
-Elements are independent: the kernels walk the plan's row blocks and, within a row, its column
-tiles, with no reduction, so one loop serves every plan.
+Elements are independent: each program takes (row block, column tile) jobs, with no reduction, so
+one loop serves every plan (one job a program on a GPU, a share of them on a persistent grid).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from onca.tiling import RowPlan, plan_rows
 __all__ = ["plan", "relu_squared"]
 
 # Live tiles (input dtype; fp32). Forward: x and y; x and y in fp32. Backward: x, dy and dx; their
-# fp32 forms.
-FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2)
-BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3)
+# fp32 forms. An elementwise map: one (row block, column tile) job a program on a GPU (plan_rows).
+FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2, elementwise=True)
+BACKWARD_TILES = dict(live_tiles=3, fp32_tiles=3, elementwise=True)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -57,22 +57,21 @@ def _relu_squared_kernel(
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    for row_block in tl.range(pid, n_row_blocks, n_programs):
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    for job in tl.range(pid, n_row_blocks * COL_TILES, n_programs):
+        rows = (job // COL_TILES) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)[:, None]
-        for tile in range(COL_TILES):
-            cols = tile * BLOCK_COLS + col_offsets
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
-            r = _relu(x.to(tl.float32))
-            if BACKWARD:
-                dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-                out = 2.0 * r * dy.to(tl.float32)
-            else:
-                out = r * r
-            tl.store(out_ptr + rows64 * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=mask)
+        cols = (job % COL_TILES) * BLOCK_COLS + col_offsets
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_ptr + rows64 * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        r = _relu(x.to(tl.float32))
+        if BACKWARD:
+            dy = tl.load(dy_ptr + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            out = 2.0 * r * dy.to(tl.float32)
+        else:
+            out = r * r
+        tl.store(out_ptr + rows64 * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
