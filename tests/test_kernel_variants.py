@@ -49,3 +49,23 @@ def test_compare_reports_bitwise_equality_or_the_largest_difference():
     a = [torch.ones(3), torch.zeros(2)]
     assert kernel_variants.compare(a, [t.clone() for t in a]) == "bitwise equal"
     assert kernel_variants.compare(a, [torch.ones(3), torch.tensor([0.0, 0.5])]) == "max abs diff 0.5"
+
+
+def test_a_constant_that_does_not_reach_the_launches_is_reported(tmp_path, device, monkeypatch):
+    """A tile constant that the launchers look up changes the launches; one that a launcher holds its
+    own reference to (the row map's registered tile dicts) does not, and the tool says so."""
+    from onca.ops import relu_squared, softmax
+
+    monkeypatch.setattr(small_calls, "_limit", 0)
+    for op, tiles, reaches in ((relu_squared, "FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2", True),
+                               (softmax, "FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2", False)):
+        subs = [[tiles, tiles + ", max_block_cols=128"]]
+        assert not kernel_variants.changes_kernels(op, subs, "narrow")
+        bench = harness.load(op.__name__.rsplit(".", 1)[-1])
+        narrow = kernel_variants.variant_names(op, subs, "narrow", str(tmp_path))
+        lines = []
+        kernel_variants.time_points(bench, op, {"narrow": narrow}, [("probe", dict(bench.probe))], device=device,
+                                    rounds=1, constants_only=frozenset({"narrow"}), report=lines.append)
+        assert "probe narrow: bitwise equal" in lines
+        assert any("did not reach the launches" in line for line in lines) != reaches, lines
+    assert kernel_variants.changes_kernels(rms_norm, [[ONE_TILE, ONE_TILE.replace("eps)", "eps * 2)")]], "k")

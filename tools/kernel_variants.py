@@ -96,6 +96,24 @@ def variant_names(module: types.ModuleType, substitutions: list, variant: str, w
     return {name: namespace[name] for name in names}
 
 
+def changes_kernels(module: types.ModuleType, substitutions: list, variant: str) -> bool:
+    """Whether ``substitutions`` change the source of one of ``module``'s Triton functions (else
+    they change only its constants, which reach a launch only through the launchers' lookups)."""
+    original = open(module.__file__).read()
+
+    def kernels(source: str) -> dict:
+        return {n.name: ast.unparse(n) for n in ast.parse(source).body if _is_jit(n)}
+
+    return kernels(original) != kernels(_substituted(original, substitutions, variant))
+
+
+def _launch_configurations() -> list:
+    """The launch configurations Onca has cached since the last swap (grids, constexprs, plans)."""
+    from onca.ops import _launch
+
+    return sorted(repr(value) for value in _launch._CONFIGS.values())
+
+
 def _drop_cached_plans(module: types.ModuleType) -> None:
     from onca import tiling
     from onca.ops import _launch
@@ -168,17 +186,25 @@ def _device_time_once(factory, params, inputs, leaves, mode: str, device: str) -
 
 def time_points(bench, module, variants: dict, points: list, *, device: str, dtype=torch.bfloat16,
                 mode: str = "full", rounds: int = 2, peers: tuple = (), device_time: bool = False,
-                report=print) -> dict:
+                constants_only: frozenset = frozenset(), report=print) -> dict:
     """``{x: {name: ms}}`` for the base, every variant and every peer, at each ``(x, params)``;
-    ``device_time`` (GPU only): each call replayed from a CUDA graph instead of timed as called."""
+    ``device_time`` (GPU only): each call replayed from a CUDA graph instead of timed as called.
+    A variant named in ``constants_only`` (its substitutions change no kernel) that launches with
+    the base's configurations is reported: its constants did not reach the launches (a launcher
+    that holds its own reference to a tile dict, for one), so it times the base again."""
     on_gpu = torch.device(device).type == "cuda"
     device_time = device_time and on_gpu
     results = {}
     for x, params in points:
-        base = _result(bench, params, device, dtype, mode)
+        with swapped(module, {}):
+            base = _result(bench, params, device, dtype, mode)
+            base_launches = _launch_configurations()
         for name, names in variants.items():
             with swapped(module, names):
                 report(f"{x} {name}: {compare(base, _result(bench, params, device, dtype, mode))}")
+                if name in constants_only and _launch_configurations() == base_launches:
+                    report(f"{x} {name}: launched with the base's configurations: its constants did not "
+                           "reach the launches (the variant times the base's code)")
         inputs = bench.make_inputs(params, dtype, device)
         leaves = harness._leaves(inputs)
         providers = {"base": (bench.onca, {}), **{n: (bench.onca, v) for n, v in variants.items()}}
@@ -239,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         variants = {name: variant_names(module, subs, name, workdir)
                     for name, subs in spec["variants"].items()}
+        constants_only = frozenset(name for name, subs in spec["variants"].items()
+                                   if not changes_kernels(module, subs, name))
         peers = tuple(p for p in args.peers.split(",") if p)
         results = time_points(bench, module, variants, points, device=device, dtype=dtype, mode=args.mode,
-                              rounds=args.rounds, peers=peers, device_time=args.device_time)
+                              rounds=args.rounds, peers=peers, device_time=args.device_time,
+                              constants_only=constants_only)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
