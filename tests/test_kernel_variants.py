@@ -64,8 +64,9 @@ def test_a_constant_that_does_not_reach_the_launches_is_reported(tmp_path, devic
         bench = harness.load(op.__name__.rsplit(".", 1)[-1])
         narrow = kernel_variants.variant_names(op, subs, "narrow", str(tmp_path))
         lines = []
-        kernel_variants.time_points(bench, op, {"narrow": narrow}, [("probe", dict(bench.probe))], device=device,
-                                    rounds=1, constants_only=frozenset({"narrow"}), report=lines.append)
+        kernel_variants.time_points(bench, op, {"narrow": narrow}, [("probe", dict(bench.probe))],
+                                    device=device, rounds=1, constants_only=frozenset({"narrow"}),
+                                    report=lines.append)
         assert "probe narrow: bitwise equal" in lines
         assert any("did not reach the launches" in line for line in lines) != reaches, lines
     assert kernel_variants.changes_kernels(rms_norm, [[ONE_TILE, ONE_TILE.replace("eps)", "eps * 2)")]], "k")
