@@ -41,6 +41,51 @@ def test_one_rank_matches_cross_entropy(device, group, dtype, reduction):
     assert_close(lk.grad, l64.grad, dtype, "dlogits")
 
 
+def test_strided_targets_and_an_expanded_gradient(device, group):
+    """Per-token losses of (2, 9) logits against strided targets with ``ignore_index=-1`` (another
+    shard's class then maps past the shard, not onto -1) and a z-loss, backward through their sum:
+    autograd hands the op a stride-0 gradient, read per row."""
+    logits = randn(2, 9, 50, device=device)
+    wide = torch.randint(0, 50, (2, 18), device=device)
+    wide[0, ::3] = -1
+    target = wide[:, ::2]
+    lk = leaf(logits)
+    per = vocab_parallel_cross_entropy(lk, target, group, vocab_start=0, reduction="none", ignore_index=-1,
+                                       lse_square_scale=1e-2)
+    l64 = logits.detach().double().requires_grad_(True)
+    flat = l64.reshape(-1, 50)
+    lse = torch.logsumexp(flat, dim=-1)
+    valid = target.reshape(-1) != -1
+    ref = (F.cross_entropy(flat, target.reshape(-1), ignore_index=-1, reduction="none")
+           + torch.where(valid, 1e-2 * lse * lse, 0.0)).view(2, 9)
+    assert_close(per, ref, torch.float32, "per-token loss")
+    per.sum().backward()
+    ref.sum().backward()
+    assert_close(lk.grad, l64.grad, torch.float32, "dlogits")
+
+
+def test_rows_in_several_blocks(device, group, monkeypatch):
+    """The per-token kernels in 16-row blocks: 70 rows are five blocks, more than the programs of
+    a persistent profile, so programs loop over several."""
+    from onca.ops import vocab_parallel_cross_entropy as op
+
+    monkeypatch.setattr(op, "ROW_BLOCK", 16)
+    assert -(-70 // 16) > op._row_grid(70)[0] or device != "cpu"
+    logits = randn(70, 33, device=device)
+    target = torch.randint(0, 33, (70,), device=device)
+    target[::7] = -100
+    lk = leaf(logits)
+    loss = vocab_parallel_cross_entropy(lk, target, group, vocab_start=0, lse_square_scale=1e-3)
+    l64 = logits.detach().double().requires_grad_(True)
+    valid = target != -100
+    lse = torch.logsumexp(l64, dim=-1)
+    ref = F.cross_entropy(l64, target) + (1e-3 * lse * lse)[valid].mean()
+    assert_close(loss, ref, torch.float32, "loss")
+    loss.backward()
+    ref.backward()
+    assert_close(lk.grad, l64.grad, torch.float32, "dlogits")
+
+
 def test_uneven_shards_with_vocab_size_gather_nothing_on_the_host(device, group, monkeypatch):
     """vocab_start with vocab_size: no gather of the shard sizes (a host synchronisation per call);
     without vocab_size the sizes are gathered. Both give the same loss."""
