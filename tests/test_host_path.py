@@ -24,7 +24,8 @@ LAUNCHES = {
     "geglu": 2, "group_norm": 3, "grpo_loss": 2, "jsd": 3, "kl_div": 3, "layer_norm": 2, "llama4_rope": 2,
     "mhc": 10, "modulated_rms_norm": 4, "multi_token_attention": 4, "multimodal_rope": 2,
     "neighborhood_attention": 3, "poly_norm": 3, "relu_squared": 2, "rms_norm": 2, "rms_norm_rope": 2,
-    "rope": 2, "softmax": 2, "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 3, "vocab_parallel_cross_entropy": 8,
+    "rope": 2, "softmax": 2, "sparsemax": 2, "swiglu": 2, "tiled_mlp": 2, "tvd": 3,
+    "vocab_parallel_cross_entropy": 8,
 }
 
 
