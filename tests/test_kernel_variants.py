@@ -52,21 +52,26 @@ def test_compare_reports_bitwise_equality_or_the_largest_difference():
 
 
 def test_a_constant_that_does_not_reach_the_launches_is_reported(tmp_path, device, monkeypatch):
-    """A tile constant that the launchers look up changes the launches; one that a launcher holds its
-    own reference to (the row map's registered tile dicts) does not, and the tool says so."""
+    """A tile declaration that changes the plan at the point reaches the launches, also through a
+    launcher that holds the dict object (the row map's: softmax), and is swapped back afterwards;
+    one that leaves the plan as it was is reported."""
     from onca.ops import relu_squared, softmax
 
     monkeypatch.setattr(small_calls, "_limit", 0)
-    for op, tiles, reaches in ((relu_squared, "FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2", True),
-                               (softmax, "FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2", False)):
-        subs = [[tiles, tiles + ", max_block_cols=128"]]
-        assert not kernel_variants.changes_kernels(op, subs, "narrow")
+    cases = ((relu_squared, "FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2", ", max_block_cols=128", True),
+             (softmax, "FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2", ", max_block_cols=256", True),
+             (softmax, "FORWARD_TILES = dict(live_tiles=2, fp32_tiles=2", ", max_block_cols=1 << 20", False))
+    for op, tiles, extra, reaches in cases:
+        subs = [[tiles, tiles + extra]]
+        assert not kernel_variants.changes_kernels(op, subs, "v")
         bench = harness.load(op.__name__.rsplit(".", 1)[-1])
-        narrow = kernel_variants.variant_names(op, subs, "narrow", str(tmp_path))
+        before = dict(op.FORWARD_TILES)
+        variant = kernel_variants.variant_names(op, subs, "v", str(tmp_path))
         lines = []
-        kernel_variants.time_points(bench, op, {"narrow": narrow}, [("probe", dict(bench.probe))],
-                                    device=device, rounds=1, constants_only=frozenset({"narrow"}),
-                                    report=lines.append)
-        assert "probe narrow: bitwise equal" in lines
-        assert any("did not reach the launches" in line for line in lines) != reaches, lines
+        point = {**bench.probe, "tokens": 4}  # four rows: the interpreter runs every variant twice
+        kernel_variants.time_points(bench, op, {"v": variant}, [("probe", point)], device=device,
+                                    rounds=1, constants_only=frozenset({"v"}), report=lines.append)
+        assert any(line.startswith("probe v: ") for line in lines)  # compared with the base
+        assert any("did not reach the launches" in line for line in lines) != reaches, (op, extra, lines)
+        assert op.FORWARD_TILES == before
     assert kernel_variants.changes_kernels(rms_norm, [[ONE_TILE, ONE_TILE.replace("eps)", "eps * 2)")]], "k")

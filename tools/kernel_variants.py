@@ -127,16 +127,26 @@ def _drop_cached_plans(module: types.ModuleType) -> None:
 
 @contextlib.contextmanager
 def swapped(module: types.ModuleType, names: dict):
-    """``names`` set on ``module`` for the duration (the base: an empty dict)."""
+    """``names`` set on ``module`` for the duration (the base: an empty dict). A dict constant (a
+    tile declaration) is swapped in place, its contents replaced, so that a launcher holding the
+    dict object itself (the row map's, registered with its op's tile dicts) sees the variant too."""
     saved = {name: getattr(module, name) for name in names}
+    contents = {name: dict(obj) for name, obj in saved.items() if isinstance(obj, dict)}
     _drop_cached_plans(module)
     for name, obj in names.items():
-        setattr(module, name, obj)
+        if name in contents and isinstance(obj, dict):
+            saved[name].clear()
+            saved[name].update(obj)
+        else:
+            setattr(module, name, obj)
     try:
         yield
     finally:
         for name, obj in saved.items():
             setattr(module, name, obj)
+            if name in contents:
+                obj.clear()
+                obj.update(contents[name])
         _drop_cached_plans(module)
 
 
@@ -190,8 +200,8 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
     """``{x: {name: ms}}`` for the base, every variant and every peer, at each ``(x, params)``;
     ``device_time`` (GPU only): each call replayed from a CUDA graph instead of timed as called.
     A variant named in ``constants_only`` (its substitutions change no kernel) that launches with
-    the base's configurations is reported: its constants did not reach the launches (a launcher
-    that holds its own reference to a tile dict, for one), so it times the base again."""
+    the base's configurations is reported: its constants did not reach the launches (a constant
+    read once at import, or one that changes nothing at this point), so it times the base again."""
     on_gpu = torch.device(device).type == "cuda"
     device_time = device_time and on_gpu
     results = {}
