@@ -13,12 +13,12 @@ from tests.helpers import assert_close, leaf, non_contiguous, randn
 from tests.ops.posttrain_reference import BASE, CHUNK, SHAPES, make_inputs, reference_logps
 
 
-def check(hidden, weight, bias, labels, temperature=1.0, entropy=True, chunk_tokens=CHUNK):
+def check(hidden, weight, bias, labels, temperature=1.0, entropy=True, chunk_tokens=CHUNK, keep_logits=False):
     dtype = hidden.dtype
     hk, wk = leaf(hidden), leaf(weight)
     bk = leaf(bias) if bias is not None else None
     logp, ent = chunked_logprobs(hk, wk, labels, bk, temperature=temperature, entropy=entropy,
-                                 chunk_tokens=chunk_tokens)
+                                 chunk_tokens=chunk_tokens, keep_logits=keep_logits)
     per, ref_ent, _, (h64, w64, b64) = reference_logps(hidden, weight, bias, labels, temperature)
     assert logp.dtype == torch.float32 and logp.shape == labels.shape
     # fp32 from the rounded logits; a 16-bit GEMM's fp32 accumulation (cuBLAS's order, not the
@@ -240,3 +240,71 @@ def test_bad_accum_dtype(device):
         chunked_logprobs(h, w, labels, accum_dtype=torch.float16)
     with pytest.raises(ValueError, match="accum_dtype"):
         chunked_logprobs(h, w, labels, accum_dtype="float32")
+
+
+# ------------------------------------------------------------------------------------ keep_logits
+
+
+def _head_matmuls(monkeypatch) -> list:
+    """One entry per head matmul the chunk driver runs (forward chunks and backward tiles)."""
+    calls = []
+    head_logits = _chunked_head.head_logits
+    monkeypatch.setattr(_chunked_head, "head_logits", lambda *a, **k: calls.append(1) or head_logits(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_keep_logits_matches_reference(profile, device, dtype, vocab_tiles):
+    """The kept logits read by the tiled backward (several token chunks, vocabulary tiles, a bias,
+    an ignored sequence, the entropy's gradient) against the float64 reference."""
+    h, w, b, labels = make_inputs((4, 9, 16, 203), dtype, device, bias=True, empty_row=1)
+    check(h, w, b, labels, temperature=0.7, chunk_tokens=None, keep_logits=True)
+    assert vocab_tiles and all(width < 203 for width in vocab_tiles)
+
+
+def test_keep_logits_runs_one_head_matmul(monkeypatch, device):
+    """Kept: one matmul over every token in the forward, none in the backward; recomputed: one per
+    forward chunk and one per backward tile. The results agree to rounding."""
+    h, w, b, labels = make_inputs(BASE, torch.float32, device, bias=True, empty_row=1)
+    results = {}
+    for keep in (False, True):
+        calls = _head_matmuls(monkeypatch)
+        hk, wk, bk = leaf(h), leaf(w), leaf(b)
+        logp, ent = chunked_logprobs(hk, wk, labels, bk, entropy=True, chunk_tokens=CHUNK, keep_logits=keep)
+        forward = len(calls)
+        (logp.sum() + ent.sum()).backward()
+        results[keep] = (forward, len(calls) - forward, logp, ent, hk.grad, wk.grad, bk.grad)
+    assert results[True][:2] == (1, 0)
+    assert results[False][0] > 1 and results[False][1] > 1
+    names = ("logp", "entropy", "dh", "dw", "db")
+    for kept, recomputed, name in zip(results[True][2:], results[False][2:], names):
+        assert_close(kept, recomputed, torch.float32, name)
+
+
+def test_keep_logits_second_backward(device):
+    """The backward reads the kept logits and writes its gradient elsewhere: a second backward
+    through the same graph gives the same gradients."""
+    h, w, _, labels = make_inputs((2, 5, 12, 77), torch.float32, device, prompt=1)
+    hk, wk = leaf(h), leaf(w)
+    logp, ent = chunked_logprobs(hk, wk, labels, entropy=True, chunk_tokens=4, keep_logits=True)
+    total = (logp * torch.randn_like(logp)).sum() + ent.sum()
+    first = torch.autograd.grad(total, (hk, wk), retain_graph=True)
+    second = torch.autograd.grad(total, (hk, wk))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_keep_logits_op_contract(device):
+    h, w, b, labels = make_inputs((2, 5, 8, 24), torch.float32, device, bias=True, prompt=1)
+
+    def fn(h, w, b, labels):
+        return chunked_logprobs(h, w, labels, b, temperature=0.9, entropy=True, keep_logits=True)
+
+    assert_op_contract(fn, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), labels),
+                       expect_ops={"chunked_logprob_forward", "chunked_logprob_backward"})
+
+
+def test_bad_keep_logits(device):
+    h, w, _, labels = make_inputs((2, 5, 12, 77), torch.float32, device)
+    with pytest.raises(TypeError, match="keep_logits"):
+        chunked_logprobs(h, w, labels, keep_logits=1)

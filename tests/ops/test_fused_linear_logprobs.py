@@ -62,13 +62,14 @@ def reference(hidden, weight, bias, labels, temperature, softcap, logit_scale):
 
 
 def check(hidden, weight, bias, labels, head=HEADS["capped"], outputs=OPTIONAL_OUTPUTS, grads=("lp", "ent"),
-          chunk_tokens=CHUNK):
+          chunk_tokens=CHUNK, keep_logits=False):
     temperature, softcap, logit_scale = head
     dtype = hidden.dtype
     hk, wk = leaf(hidden), leaf(weight)
     bk = leaf(bias) if bias is not None else None
     out = fused_linear_logprobs(hk, wk, labels, bk, temperature=temperature, softcap=softcap,
-                                logit_scale=logit_scale, outputs=outputs, chunk_tokens=chunk_tokens)
+                                logit_scale=logit_scale, outputs=outputs, chunk_tokens=chunk_tokens,
+                                keep_logits=keep_logits)
     (logp, ent, sq, mean, top1, near_tie), (h64, w64, b64) = reference(hidden, weight, bias, labels, *head)
     assert out.log_probs.dtype == torch.float32 and out.log_probs.shape == labels.shape
     # fp32 from the rounded logits; a 16-bit GEMM (cuBLAS's accumulation order, not the
@@ -134,6 +135,41 @@ def test_backward_over_vocabulary_tiles(profile, device, dtype, vocab_tiles):  #
     assert vocab_tiles and all(width < 203 for width in vocab_tiles)
 
 
+@pytest.mark.parametrize("head", HEADS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_keep_logits(profile, device, dtype, head, vocab_tiles):  # noqa: F811
+    """Every output and both gradients with the logits kept from the forward (soft-capped or not),
+    the backward reading them over several vocabulary tiles."""
+    h, w, b, labels = inputs(SHAPES[0], dtype, device, empty_row=1)
+    check(h, w, b, labels, HEADS[head], chunk_tokens=None, keep_logits=True)
+    assert vocab_tiles
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is measured on a GPU")
+def test_keep_logits_memory():
+    """Kept logits cost their own size at the peak, and no more; they are freed with the graph
+    (after the backward, only the gradients are left)."""
+    tokens, hidden, vocab = 4096, 1024, 32768
+    h, w, _, labels = make_inputs((1, tokens, hidden, vocab), torch.bfloat16, "cuda")
+    peaks, left = {}, {}
+    for keep in (False, True):
+        hk, wk = leaf(h), leaf(w)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fused_linear_logprobs(hk, wk, labels, outputs=("entropy",), keep_logits=keep)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        del out
+        torch.cuda.synchronize()
+        peaks[keep] = torch.cuda.max_memory_allocated() - start
+        left[keep] = torch.cuda.memory_allocated() - start
+        del hk, wk
+    kept = tokens * vocab * 2
+    grads = (tokens + vocab) * hidden * 2
+    assert 0.5 * kept <= peaks[True] - peaks[False] <= kept + (64 << 20), (peaks, kept)
+    assert left[True] <= grads + (8 << 20) and left[False] <= grads + (8 << 20), (left, grads)
+
+
 def test_fp16_no_outputs(device):
     h, w, b, labels = inputs(SHAPES[0], torch.float16, device)
     check(h, w, b, labels, HEADS["plain"], outputs=(), grads=("lp",))
@@ -176,6 +212,8 @@ def test_bad_input(device):
         fused_linear_logprobs(h, w, labels[:, :2])
     with pytest.raises(TypeError, match="weight"):
         fused_linear_logprobs(h, w.half(), labels)
+    with pytest.raises(TypeError, match="keep_logits"):
+        fused_linear_logprobs(h, w, labels, keep_logits="yes")
 
 
 def test_plan():

@@ -18,13 +18,14 @@ SHAPES = {
 BASE = SHAPES[0]
 
 
-def check(hidden, weight, bias, target, temperature=1.0, entropy=True, chunk_tokens=CHUNK, grads=("nll", "ent")):
+def check(hidden, weight, bias, target, temperature=1.0, entropy=True, chunk_tokens=CHUNK,
+          grads=("nll", "ent"), keep_logits=False):
     """Onca's outputs and the gradients of ``sum(g_nll * nll + g_ent * entropy)`` against float64."""
     dtype = hidden.dtype
     hk, wk = leaf(hidden), leaf(weight)
     bk = leaf(bias) if bias is not None else None
     out = fused_linear_scaled_cross_entropy(hk, wk, target, temperature, IGNORE, return_entropy=entropy, bias=bk,
-                                            chunk_tokens=chunk_tokens)
+                                            chunk_tokens=chunk_tokens, keep_logits=keep_logits)
     nll, ent = out if entropy else (out, None)
     per, ref_ent, mask, (h64, w64, b64) = reference_logps(hidden, weight, bias, target, temperature)
     assert nll.dtype == torch.float32 and nll.shape == target.shape
@@ -56,6 +57,13 @@ def check(hidden, weight, bias, target, temperature=1.0, entropy=True, chunk_tok
 def test_matches_reference(profile, device, dtype):
     h, w, _, target = make_inputs(BASE, dtype, device, empty_row=1)
     check(h, w, None, target, temperature=0.7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_keep_logits(profile, device, dtype):
+    """The logits kept from the forward and read by the backward, with a bias and an ignored row."""
+    h, w, b, target = make_inputs(BASE, dtype, device, bias=True, empty_row=1)
+    check(h, w, b, target, temperature=0.7, keep_logits=True)
 
 
 @pytest.mark.parametrize("grads", [("nll",), ("ent",)], ids=["nll-only", "entropy-only"])
@@ -131,6 +139,8 @@ def test_bad_input(device):
         fused_linear_scaled_cross_entropy([1.0], w, t)
     with pytest.raises(TypeError, match="ignore_index must be an int"):
         fused_linear_scaled_cross_entropy(h, w, t, 1.0, 1.5)
+    with pytest.raises(TypeError, match="keep_logits must be a bool"):
+        fused_linear_scaled_cross_entropy(h, w, t, keep_logits=None)
 
 
 def test_op_contract(device):

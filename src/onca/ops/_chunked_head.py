@@ -49,12 +49,15 @@ pass keeps one fp32 ``lse`` (and entropy) per token and nothing of the logits; t
 plain torch on ``(tokens,)`` and ``(sequences,)`` tensors (graph-friendly: no host syncs, any loss
 composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one extra head matmul
 per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype);
-the reference model's pass is forward only (1 matmul). The paired losses (DPO, CPO, SimPO, ORPO:
-sums over pairs) take the other way where it pays (:mod:`onca.ops._paired_head`: chunks of whole
-pairs, the per-pair derivatives in closed form, 3 matmuls), and so do GRPO with token-level
-ratios, whose derivative per token needs only the token's own log-probability, and KTO, whose
-needs only its sequence's sum (:mod:`onca.ops._token_head`: chunks of tokens or of whole
-sequences). ``dWeight`` accumulates over the chunks in
+the reference model's pass is forward only (1 matmul). Where the memory is there, ``keep_logits=True``
+keeps the forward's logits (the whole ``(tokens, vocab)``, in the input dtype, one matmul over every
+token) for the backward to read: 3 matmuls, and the backward's scratch holds only the gradient
+tiles it writes (the kept logits are never overwritten: a second backward reads them again).
+The paired losses (DPO, CPO, SimPO, ORPO: sums over pairs) take the other way where it pays
+(:mod:`onca.ops._paired_head`: chunks of whole pairs, the per-pair derivatives in closed form, 3
+matmuls), and so do GRPO with token-level ratios, whose derivative per token needs only the
+token's own log-probability, and KTO, whose needs only its sequence's sum
+(:mod:`onca.ops._token_head`: chunks of tokens or of whole sequences). ``dWeight`` accumulates over the chunks in
 the weight's dtype by default (liger-kernel's chunked losses do the same): an fp32 accumulator
 (``accum_dtype=torch.float32``, TRL's choice, the default of :func:`fused_linear_logprobs`) and its
 final cast hold three bytes per head element more at the backward's peak (3 GB for a bf16
@@ -65,7 +68,7 @@ Gradient (per token, ``p = softmax(z)``, ``zbar = sum_j p_j z_j = lse - entropy`
     dlogits_j = (g_lp * ([j == y] - p_j) - g_ent * p_j * (z_j - zbar)) / temperature
 
 Saved for backward: the inputs (already alive in the caller's graph), the fp32 ``lse`` and
-entropy per token.
+entropy per token, and, with ``keep_logits``, the logits.
 """
 
 from __future__ import annotations
@@ -363,16 +366,18 @@ def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> 
 
 def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: ChunkPlan, visit, *,
                dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None,
-               logits_dtype: torch.dtype | None = None) -> None:
+               logits_dtype: torch.dtype | None = None, scratch: Tensor | None = None) -> None:
     """Run the chunks of consecutive tokens of the 2-D ``hidden``: each chunk's logits by one matmul
     into a reused scratch (``logits_dtype``, default the input dtype), then ``visit(logits, start,
     end)``, which reads them and, when any of ``dx``/``dw``/``db`` is given, returns
     ``dLoss/dLogits`` in the input dtype (usually written over the logits themselves; ``None``
     means the logits buffer holds it), zero rows for tokens that take no gradient; then
     ``dx[chunk] = g @ W``, ``dw += g.T @ h`` (``=`` on the first chunk: ``dw`` may be
-    uninitialised), ``db += g.sum(0)``."""
+    uninitialised), ``db += g.sum(0)``. ``scratch`` (``(chunk, vocab)``) is the caller's buffer for
+    the logits, where it keeps them."""
     vocab = weight.shape[0]
-    scratch = torch.empty((chunks.chunk, vocab), dtype=logits_dtype or hidden.dtype, device=hidden.device)
+    if scratch is None:
+        scratch = torch.empty((chunks.chunk, vocab), dtype=logits_dtype or hidden.dtype, device=hidden.device)
     for index in range(chunks.n_chunks):
         start, end = chunks.bounds(index)
         h = hidden[start:end]
@@ -388,13 +393,17 @@ def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: Chun
 
 
 def grad_tile_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: ChunkPlan, width: int, visit, *,
-                   dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None) -> None:
+                   dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None,
+                   kept: Tensor | None = None) -> None:
     """The backward's loop over ``(token chunk, vocabulary tile)`` tiles (:func:`grad_tiles`): each
-    tile's logits ``h @ weight[v0:v1].T (+ bias)`` by one matmul into a reused scratch, then
-    ``visit(logits, start, end, v0)`` writes ``dLoss/dLogits`` over them; then ``dw[v0:v1] +=
-    g.T @ h`` (written, not added, by the first token chunk: ``dw`` may be uninitialised), ``db[v0:v1]
-    += g.sum(0)`` and ``dx[chunk] += g @ weight[v0:v1]`` (accumulated in fp32 over the tiles, one
-    rounding at the end, where the vocabulary takes more than one tile)."""
+    tile's logits ``h @ weight[v0:v1].T (+ bias)`` by one matmul into a reused scratch (or, with
+    ``kept``, the forward's whole logits, the tile read from them: no matmul), then ``visit(logits,
+    grad, start, end, v0)`` writes ``dLoss/dLogits`` into ``grad`` (the scratch tile; the logits
+    themselves unless ``kept``); then ``dw[v0:v1] += g.T @ h`` (written, not added, by the first
+    token chunk: ``dw`` may be uninitialised), ``db[v0:v1] += g.sum(0)`` and ``dx[chunk] += g @
+    weight[v0:v1]`` (accumulated in fp32 over the tiles, one rounding at the end, where the
+    vocabulary takes more than one tile). The kept logits are only read: a second backward through
+    the same graph finds them as the forward left them."""
     vocab = weight.shape[0]
     scratch = torch.empty(chunks.chunk * width, dtype=hidden.dtype, device=hidden.device)
     tiled = width < vocab
@@ -406,17 +415,20 @@ def grad_tile_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: 
         for v0 in range(0, vocab, width):
             v1 = min(v0 + width, vocab)
             w = weight[v0:v1]
-            logits = head_logits(h, w, bias[v0:v1] if bias is not None else None,
-                                 scratch[: (end - start) * (v1 - v0)].view(end - start, v1 - v0))
-            visit(logits, start, end, v0)
+            g = scratch[: (end - start) * (v1 - v0)].view(end - start, v1 - v0)
+            if kept is None:
+                logits = head_logits(h, w, bias[v0:v1] if bias is not None else None, g)
+            else:
+                logits = kept[start:end, v0:v1]
+            visit(logits, g, start, end, v0)
             if dx is not None and not tiled:
-                torch.mm(logits, w, out=dx[start:end])
+                torch.mm(g, w, out=dx[start:end])
             elif dx is not None:
-                accumulate_mm(dx_acc[: end - start], logits, w, first=v0 == 0)
+                accumulate_mm(dx_acc[: end - start], g, w, first=v0 == 0)
             if dw is not None:
-                accumulate_dw(dw[v0:v1], logits, h, first=index == 0)
+                accumulate_dw(dw[v0:v1], g, h, first=index == 0)
             if db is not None:
-                db[v0:v1] += logits.sum(dim=0, dtype=torch.float32)
+                db[v0:v1] += g.sum(dim=0, dtype=torch.float32)
         if dx_acc is not None:
             dx[start:end].copy_(dx_acc[: end - start])
 
@@ -451,16 +463,18 @@ def launch_stats(logits, target, logp, lse, ent, sq, mean, top1, ignore_index, t
 
 
 def launch_grad(logits, target, lse, ent, g_lp, g_ent, ignore_index, temperature, softcap,
-                logit_scale, *, vocab: int, col_start: int) -> None:
+                logit_scale, *, vocab: int, col_start: int, out: Tensor | None = None) -> None:
     """The gradient kernel over one tile of logits (columns ``[col_start, col_start + cols)`` of a
-    ``vocab``-wide head), written over them."""
+    ``vocab``-wide head), written into ``out`` (a tile of their shape, rows of unit column stride),
+    by default over the logits themselves."""
     rows, cols = logits.shape
+    out = logits if out is None else out
     p = plan_rows(rows, cols, logits.dtype, **_tiles(bool(softcap)))
     pre, post = head_scales(temperature, softcap, logit_scale)
     _logprob_grad_kernel[(p.grid,)](
-        logits, logits, target, lse, ent if g_ent is not None else lse,
+        logits, out, target, lse, ent if g_ent is not None else lse,
         g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse,
-        rows, cols, vocab, col_start, logits.stride(0), logits.stride(0), ignore_index, pre, post,
+        rows, cols, vocab, col_start, logits.stride(0), out.stride(0), ignore_index, pre, post,
         HAS_SOFTCAP=bool(softcap), HAS_LP_GRAD=g_lp is not None, HAS_ENT_GRAD=g_ent is not None,
         BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
@@ -473,15 +487,17 @@ def launch_grad(logits, target, lse, ent, g_lp, g_ent, ignore_index, temperature
 def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                             ignore_index: int, temperature: float, softcap: float, logit_scale: float,
                             entropy: bool, log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool,
-                            chunk_tokens: int,
-                            accum_fp32: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(logp, lse, entropy, log_sum_sq_probs, mean_logits, is_top1)`` per token of the 2-D
+                            chunk_tokens: int, accum_fp32: bool, keep_logits: bool
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, lse, entropy, log_sum_sq_probs, mean_logits, is_top1, logits)`` per token of the 2-D
     ``hidden`` (fp32; ``is_top1`` bool; each optional one empty unless asked for), over the logits
     ``transform(hidden @ weight.T + bias)`` (``logit_scale``, soft-capping at ``softcap`` unless it
     is 0, ``temperature``). One head matmul per chunk and the statistics kernel; nothing else is
-    kept. ``accum_fp32`` is the backward's (its weight gradient accumulated in fp32): the chunks
-    take the backward's scratch budget."""
-    tokens = hidden.shape[0]
+    kept, unless ``keep_logits``: then one matmul over every token, and its ``(tokens, vocab)``
+    output in the input dtype is returned as ``logits`` for the backward to read instead of
+    recomputing it (empty otherwise). ``accum_fp32`` is the backward's (its weight gradient
+    accumulated in fp32): the chunks take the backward's scratch budget."""
+    tokens, vocab = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logp = torch.empty(tokens, **f32)
     lse = torch.empty(tokens, **f32)
@@ -489,11 +505,17 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
     sq = torch.empty(tokens if log_sum_sq_probs else 0, **f32)
     mean = torch.empty(tokens if mean_logits else 0, **f32)
     top1 = torch.empty(tokens if is_top1 else 0, dtype=torch.int8, device=hidden.device)
+    kept = hidden.new_empty((tokens, vocab) if keep_logits else (0,))
     if tokens:
-        # The backward's scratch budget (twice the tokens with an fp32 weight gradient): the backward
-        # holds that much anyway, and the head's GEMM runs deeper in the token dimension.
-        chunks = chunk_plan(tokens, hidden.shape[1], weight.shape[0], hidden.dtype, accum_fp32=accum_fp32,
-                            chunk_tokens=chunk_tokens, device=hidden.device)
+        if keep_logits:
+            # Every token in one chunk, its scratch the kept logits.
+            row_bytes = vocab * kept.element_size()
+            chunks = plan_token_chunks(tokens, row_bytes, tokens * row_bytes, multiple=1)
+        else:
+            # The backward's scratch budget (twice the tokens with an fp32 weight gradient): the
+            # backward holds that much anyway, and the head's GEMM runs deeper in the token dimension.
+            chunks = chunk_plan(tokens, hidden.shape[1], vocab, hidden.dtype, accum_fp32=accum_fp32,
+                                chunk_tokens=chunk_tokens, device=hidden.device)
 
         def visit(logits, start, end):
             def part(t, wanted):
@@ -503,32 +525,35 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
                          part(sq, log_sum_sq_probs), part(mean, mean_logits), part(top1, is_top1),
                          ignore_index, temperature, softcap, logit_scale)
 
-        chunk_loop(hidden, weight, bias, chunks, visit)
-    return logp, lse, ent, sq, mean, top1.view(torch.bool)
+        chunk_loop(hidden, weight, bias, chunks, visit, scratch=kept if keep_logits else None)
+    return logp, lse, ent, sq, mean, top1.view(torch.bool), kept
 
 
 @chunked_logprob_forward.register_fake
 def _(hidden, weight, bias, target, ignore_index, temperature, softcap, logit_scale, entropy, log_sum_sq_probs,
-      mean_logits, is_top1, chunk_tokens, accum_fp32):
+      mean_logits, is_top1, chunk_tokens, accum_fp32, keep_logits):
     tokens = hidden.shape[0]
     f32 = dict(dtype=torch.float32)
     return (hidden.new_empty(tokens, **f32), hidden.new_empty(tokens, **f32),
             hidden.new_empty(tokens if entropy else 0, **f32),
             hidden.new_empty(tokens if log_sum_sq_probs else 0, **f32),
             hidden.new_empty(tokens if mean_logits else 0, **f32),
-            hidden.new_empty(tokens if is_top1 else 0, dtype=torch.bool))
+            hidden.new_empty(tokens if is_top1 else 0, dtype=torch.bool),
+            hidden.new_empty((tokens, weight.shape[0]) if keep_logits else (0,)))
 
 
 @custom_op("chunked_logprob_backward")
 def chunked_logprob_backward(grad_logp: Tensor | None, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
                              bias: Tensor | None, target: Tensor, lse: Tensor, entropy: Tensor,
+                             logits: Tensor,
                              ignore_index: int, temperature: float, softcap: float, logit_scale: float,
                              chunk_tokens: int, accum_fp32: bool, grad_hidden: bool, grad_weight: bool,
                              grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` for per-token incoming gradients of ``logp`` and of the
-    entropy (either may be None: no such term): each chunk's logits recomputed, their gradient
-    written over them by one kernel, then the gradient matmuls, over :func:`grad_tiles`' tiles of
-    tokens and vocabulary; ``dweight`` accumulates in the
+    entropy (either may be None: no such term): each chunk's logits recomputed (or, where the
+    forward kept them, ``logits`` non-empty, read from there), their gradient written into a scratch
+    tile by one kernel, then the gradient matmuls, over :func:`grad_tiles`' tiles of tokens and
+    vocabulary; ``dweight`` accumulates in the
     weight's dtype (one rounding per chunk) or, with ``accum_fp32``, in fp32 (cast once at the end:
     a head-sized fp32 buffer and its cast alive together), ``dbias`` in fp32. Empty tensors for the
     gradients not asked for."""
@@ -551,22 +576,23 @@ def chunked_logprob_backward(grad_logp: Tensor | None, grad_entropy: Tensor | No
                                   accum_fp32=grad_weight and dw_dtype == torch.float32, chunk_tokens=chunk_tokens,
                                   device=hidden.device)
 
-        def visit(logits, start, end, col_start):
+        def visit(logits, grad, start, end, col_start):
             launch_grad(logits, target[start:end], lse[start:end],
                         entropy[start:end] if g_ent is not None else None,
                         g_lp[start:end] if g_lp is not None else None,
                         g_ent[start:end] if g_ent is not None else None, ignore_index, temperature, softcap,
-                        logit_scale, vocab=vocab, col_start=col_start)
+                        logit_scale, vocab=vocab, col_start=col_start, out=grad)
 
-        grad_tile_loop(hidden, weight, bias, chunks, tile, visit, dx=dx, dw=dw, db=db)
+        grad_tile_loop(hidden, weight, bias, chunks, tile, visit, dx=dx, dw=dw, db=db,
+                       kept=logits if logits.numel() else None)
     empty = hidden.new_empty(0)
     return (dx if dx is not None else empty, dw.to(weight.dtype) if dw is not None else empty,
             db.to(bias.dtype) if db is not None else empty)
 
 
 @chunked_logprob_backward.register_fake
-def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, ignore_index, temperature, softcap,
-      logit_scale, chunk_tokens, accum_fp32, grad_hidden, grad_weight, grad_bias):
+def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, logits, ignore_index, temperature,
+      softcap, logit_scale, chunk_tokens, accum_fp32, grad_hidden, grad_weight, grad_bias):
     empty = hidden.new_empty(0)
     return (hidden.new_empty(hidden.shape) if grad_hidden else empty,
             weight.new_empty(weight.shape) if grad_weight else empty,
@@ -574,15 +600,16 @@ def _(grad_logp, grad_entropy, hidden, weight, bias, target, lse, entropy, ignor
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves the inputs and the fp32 ``lse`` (and entropy) per token. Gradients are not
-    materialised: an output that takes none (the entropy, logged only) costs nothing in backward."""
+    """Saves the inputs, the fp32 ``lse`` (and entropy) per token and the kept logits (empty unless
+    ``keep_logits``). Gradients are not materialised: an output that takes none (the entropy,
+    logged only) costs nothing in backward."""
     (hidden, weight, bias, target, ignore_index, temperature, softcap, logit_scale, entropy, _sq, _mean, _top1,
-     chunk_tokens, accum_fp32) = inputs
-    _logp, lse, ent, sq, mean, top1 = output
-    ctx.mark_non_differentiable(lse, sq, mean, top1)
+     chunk_tokens, accum_fp32, _keep) = inputs
+    _logp, lse, ent, sq, mean, top1, kept = output
+    ctx.mark_non_differentiable(lse, sq, mean, top1, kept)
     ctx.options = (ignore_index, temperature, softcap, logit_scale, chunk_tokens, accum_fp32)
     ctx.entropy = entropy
-    ctx.save_for_backward(hidden, weight, bias, target, lse, ent)
+    ctx.save_for_backward(hidden, weight, bias, target, lse, ent, kept)
 
 
 def logprob_grads(saved, options, entropy: bool, needs_input_grad, grad_logp, grad_ent):
@@ -590,11 +617,11 @@ def logprob_grads(saved, options, entropy: bool, needs_input_grad, grad_logp, gr
     :func:`_setup_context` saves: the backward of ``chunked_logprob_forward``, shared by its
     autograd registration and by wrappers that must run it inside a context of their own (TRL's
     ZeRO-3 gather, ``onca.integrations.trl``)."""
-    hidden, weight, bias, target, lse, ent = saved
+    hidden, weight, bias, target, lse, ent, kept = saved
     need_h, need_w, need_b = needs_input_grad[:3]
     need_b = bias is not None and need_b
     grad_ent = grad_ent if entropy else None
-    dx, dw, db = chunked_logprob_backward(grad_logp, grad_ent, hidden, weight, bias, target, lse, ent,
+    dx, dw, db = chunked_logprob_backward(grad_logp, grad_ent, hidden, weight, bias, target, lse, ent, kept,
                                           *options, need_h, need_w, need_b)
     return dx if need_h else None, dw if need_w else None, db if need_b else None
 
@@ -602,7 +629,7 @@ def logprob_grads(saved, options, entropy: bool, needs_input_grad, grad_logp, gr
 def _backward(ctx, grad_logp, _grad_lse, grad_ent, *_):
     dx, dw, db = logprob_grads(ctx.saved_tensors, ctx.options, ctx.entropy, ctx.needs_input_grad, grad_logp,
                                grad_ent)
-    return (dx, dw, db) + (None,) * 11
+    return (dx, dw, db) + (None,) * 12
 
 
 register_autograd(chunked_logprob_forward, _backward, setup_context=_setup_context)
@@ -666,8 +693,8 @@ def head_inputs(hidden: Tensor, *tensors):
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, *,
                      ignore_index: int = -100, temperature: float = 1.0, entropy: bool = False,
-                     chunk_tokens: int | None = None,
-                     accum_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+                     chunk_tokens: int | None = None, accum_dtype: torch.dtype | None = None,
+                     keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """Per-token ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` (fp32, shaped like
     ``labels``, 0 where ``labels == ignore_index``) and, with ``entropy=True``, each token's entropy
     (0 where ignored), chunked over tokens so that the logits never exist in full; differentiable
@@ -675,14 +702,19 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tenso
     the floating inputs are cast to the autocast dtype first, as ``F.linear`` would. The weight
     gradient accumulates over the chunks in the weight's dtype (one rounding per chunk, as
     liger-kernel's chunked losses), or in fp32 with ``accum_dtype=torch.float32`` (as TRL's kernel;
-    a head-sized fp32 buffer more at the backward's peak)."""
+    a head-sized fp32 buffer more at the backward's peak). ``keep_logits=True`` trades memory for
+    speed: the forward keeps the whole ``(tokens, vocab)`` logits in the input dtype (``tokens *
+    vocab * itemsize`` bytes until the backward has run) and the backward reads them instead of
+    recomputing them, three head matmuls instead of four, with the same result to rounding."""
     check_tensor(hidden, "hidden")
     check_bool(entropy, "entropy")
+    check_bool(keep_logits, "keep_logits")
     check_options(ignore_index, temperature, chunk_tokens)
     (hidden, weight, bias), cast = head_inputs(hidden, weight, bias)
     validate_head(hidden, weight, labels, bias)
     accum_fp32 = check_accum_dtype(accum_dtype, weight.dtype)
-    args = (hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens, accum_fp32)
+    args = (hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens, accum_fp32,
+            keep_logits)
     if small_head(hidden, weight, labels):
         logp, ent, *_ = torch_logprobs(hidden, weight, bias, labels, ignore_index, float(temperature),
                                        0.0, 1.0, entropy)
@@ -735,11 +767,11 @@ def torch_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: 
 
 
 def _chunked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens,
-                      accum_fp32):
+                      accum_fp32, keep_logits):
     h2d = as_rows(hidden)
-    logp, _lse, ent, _sq, _mean, _top1 = chunked_logprob_forward(
+    logp, _lse, ent, _sq, _mean, _top1, _kept = chunked_logprob_forward(
         h2d, weight.contiguous(), bias.contiguous() if bias is not None else None, labels.reshape(-1).contiguous(),
         ignore_index, float(temperature), 0.0, 1.0, entropy, False, False, False, chunk_tokens or 0,
-        accum_fp32)
+        accum_fp32, keep_logits)
     shape = labels.shape
     return logp.view(shape), (ent.view(shape) if entropy else None)

@@ -21,7 +21,10 @@ kept), the backward recomputes the logits in tiles of up to 4096 tokens by a sha
 vocabulary (the same scratch), writes their gradient over them with one kernel and runs the
 gradient matmuls (``dweight``/``dbias`` accumulated in fp32, ``dhidden`` in fp32 over the
 vocabulary's tiles). An output
-whose gradient is None (the entropy, when only logged) costs nothing in backward.
+whose gradient is None (the entropy, when only logged) costs nothing in backward. With
+``keep_logits=True`` the forward keeps its logits (one matmul over every token, ``tokens x vocab``
+elements in the input dtype) and the backward reads them instead of recomputing them: three head
+matmuls instead of four.
 
 ``onca.integrations.trl.enable()`` makes TRL's trainers (SFT, DPO, GRPO, KTO, RLOO: every one that
 calls ``add_fused_lm_head``) compute their per-token log-probabilities here.
@@ -47,7 +50,7 @@ from onca.ops._chunked_head import (
     validate_head,
 )
 from onca.ops._rows import as_rows
-from onca.ops._validate import check_accum_dtype, check_number, check_tensor
+from onca.ops._validate import check_accum_dtype, check_bool, check_number, check_tensor
 from onca.tiling import ChunkPlan, RowPlan, plan_rows
 
 __all__ = ["OPTIONAL_OUTPUTS", "LogProbOutput", "fused_linear_logprobs", "plan"]
@@ -94,7 +97,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
                           temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
                           outputs=("entropy",), ignore_index: int = -100,
                           chunk_tokens: int | None = None,
-                          accum_dtype: torch.dtype | None = torch.float32) -> LogProbOutput:
+                          accum_dtype: torch.dtype | None = torch.float32,
+                          keep_logits: bool = False) -> LogProbOutput:
     """Per-token log-probabilities of ``labels`` under the head ``hidden @ weight.T + bias``, and the
     optional statistics named in ``outputs``, without materialising the logits.
 
@@ -114,6 +118,10 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
         accum_dtype: the weight gradient's accumulator over the chunks: fp32 by default, as TRL's
             kernel; None (the weight's dtype, one rounding per chunk) saves a head-sized fp32
             buffer and its cast at the backward's peak.
+        keep_logits: keep the whole ``(tokens, vocab)`` logits in the input dtype from the forward
+            to the backward (``tokens * vocab * itemsize`` bytes: 4.2 GB for 16384 tokens of a
+            bf16 Llama-3 head) so that the backward reads them instead of recomputing them: three
+            head matmuls instead of four, the same result to rounding.
 
     Returns:
         :class:`LogProbOutput` ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``:
@@ -127,6 +135,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
     """
     check_tensor(hidden, "hidden")
     outputs = _check_outputs(outputs)
+    check_bool(keep_logits, "keep_logits")
     check_options(ignore_index, temperature, chunk_tokens)
     check_number(logit_scale, "logit_scale")
     if not abs(logit_scale) < float("inf"):
@@ -138,7 +147,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
     (hidden, weight, bias), cast = head_inputs(hidden, weight, bias)
     validate_head(hidden, weight, labels, bias)
     args = (hidden, weight, labels, bias, ignore_index, float(temperature), float(softcap or 0.0),
-            float(logit_scale), outputs, chunk_tokens, check_accum_dtype(accum_dtype, weight.dtype))
+            float(logit_scale), outputs, chunk_tokens, check_accum_dtype(accum_dtype, weight.dtype),
+            keep_logits)
     if small_head(hidden, weight, labels):
         return LogProbOutput(*torch_logprobs(hidden, weight, bias, labels, ignore_index, float(temperature),
                                              float(softcap or 0.0), float(logit_scale),
@@ -150,12 +160,12 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: 
 
 
 def _fused_linear_logprobs(hidden, weight, labels, bias, ignore_index, temperature, softcap, logit_scale, outputs,
-                           chunk_tokens, accum_fp32) -> LogProbOutput:
+                           chunk_tokens, accum_fp32, keep_logits) -> LogProbOutput:
     wanted = [name in outputs for name in OPTIONAL_OUTPUTS]
     results = chunked_logprob_forward(
         as_rows(hidden), weight.contiguous(), bias.contiguous() if bias is not None else None,
         labels.reshape(-1).contiguous(), ignore_index, temperature, softcap, logit_scale, *wanted,
-        chunk_tokens or 0, accum_fp32)
-    logp, _lse, *extras = results
+        chunk_tokens or 0, accum_fp32, keep_logits)
+    logp, _lse, *extras, _kept = results
     shape = labels.shape
     return LogProbOutput(logp.view(shape), *(t.view(shape) if want else None for t, want in zip(extras, wanted)))

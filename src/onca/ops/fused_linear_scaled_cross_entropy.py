@@ -37,6 +37,7 @@ def fused_linear_scaled_cross_entropy(
     bias: Tensor | None = None,
     chunk_tokens: int | None = None,
     accum_dtype: torch.dtype | None = None,
+    keep_logits: bool = False,
 ):
     """Per-token ``-log_softmax((hidden @ weight.T + bias) / temperature)[target]`` without
     materialising the logits; with ``return_entropy=True`` also each token's entropy of that softmax.
@@ -54,7 +55,10 @@ def fused_linear_scaled_cross_entropy(
     must be a finite number > 0; ``chunk_tokens`` overrides the tokens per chunk (planned from the
     free device memory by default); ``accum_dtype`` the weight gradient's accumulator over the
     chunks (None: the weight's dtype, one rounding per chunk; ``torch.float32``: fp32, a head-sized
-    buffer more).
+    buffer more); ``keep_logits=True`` keeps the whole ``(tokens, vocab)`` logits in ``hidden``'s
+    dtype from the forward to the backward (``tokens * vocab * itemsize`` bytes) so that the
+    backward reads them instead of recomputing them (three head matmuls instead of four, the same
+    result to rounding).
     Under ``torch.autocast`` the head's inputs are cast to the autocast dtype first, as
     ``F.linear`` would.
     """
@@ -67,7 +71,8 @@ def fused_linear_scaled_cross_entropy(
     validate_head(head_hidden, head_weight, target, head_bias, labels_name="target")
     logp, entropy = chunked_logprobs(head_hidden, head_weight, target, head_bias, ignore_index=ignore_index,
                                      temperature=temperature, entropy=return_entropy,
-                                     chunk_tokens=chunk_tokens, accum_dtype=accum_dtype)
+                                     chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+                                     keep_logits=keep_logits)
     nll = logp.neg()
     if not return_entropy:
         return nll
