@@ -130,20 +130,28 @@ def _counting(monkeypatch, op, counts, key):
     monkeypatch.setattr(op, "fn", counted)
 
 
-@pytest.mark.parametrize("trainer_name", TRAINERS)
-def test_trainer_with_onca_fused_lm_head_matches_the_plain_model(trainer_name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("trainer_name, keep_logits", [(name, False) for name in TRAINERS] + [("grpo", True)],
+                         ids=lambda v: {True: "kept-logits", False: "recomputed"}.get(v, v))
+def test_trainer_with_onca_fused_lm_head_matches_the_plain_model(trainer_name, keep_logits, tmp_path,
+                                                                 monkeypatch):
     """``onca.integrations.trl.enabled()`` with ``onca.apply``: TRL's fused head computes through
-    Onca's ops (forward and backward counted), and the run is the plain model's."""
+    Onca's ops (forward and backward counted), and the run is the plain model's; with
+    ``keep_logits=True`` too, every forward asked to keep them."""
     counts = {"forward": 0, "backward": 0}
     _counting(monkeypatch, _chunked_head.chunked_logprob_forward, counts, "forward")
     _counting(monkeypatch, _chunked_head.chunked_logprob_backward, counts, "backward")
+    kept = []
+    forward_fn = _chunked_head.chunked_logprob_forward.fn
+    monkeypatch.setattr(_chunked_head.chunked_logprob_forward, "fn",
+                        lambda *args: kept.append(args[-1]) or forward_fn(*args))
     plain = _plain(trainer_name, tmp_path)
     assert counts == {"forward": 0, "backward": 0}  # TRL's own kernel ran there
     before = onca_trl.calls()
-    with onca_trl.enabled():
+    with onca_trl.enabled(keep_logits=keep_logits):
         assert onca_trl.is_enabled()
         run = _train(TRAINERS[trainer_name](onca.apply(_model()), tmp_path))
     assert not onca_trl.is_enabled()
+    assert kept and set(kept) == {keep_logits}
     assert counts["forward"] >= STEPS and counts["backward"] >= STEPS
     after = onca_trl.calls()
     assert after["forward"] - before["forward"] == counts["forward"]
@@ -163,4 +171,18 @@ def test_enable_is_idempotent_and_disable_restores_trl():
     assert trl.kernels.ChunkedLogProbFunction is onca_trl.ChunkedLogProbFunction
     onca_trl.disable()
     assert utils._ChunkedLogProbFunction is original and trl.kernels.ChunkedLogProbFunction is original
+    assert not onca_trl.is_enabled()
+
+
+def test_enabled_restores_the_earlier_keep_logits():
+    onca_trl.enable(keep_logits=True)
+    try:
+        with onca_trl.enabled():
+            assert onca_trl._KEEP_LOGITS[0] is False
+        assert onca_trl.is_enabled() and onca_trl._KEEP_LOGITS[0] is True
+    finally:
+        onca_trl.disable()
+    assert onca_trl._KEEP_LOGITS[0] is False
+    with pytest.raises(TypeError, match="keep_logits"):
+        onca_trl.enable(keep_logits="yes")
     assert not onca_trl.is_enabled()

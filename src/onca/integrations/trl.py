@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from onca.ops._chunked_head import chunked_logprob_forward, head_inputs, logprob_grads
+from onca.ops._validate import check_bool
 from onca.ops.fused_linear_logprobs import OPTIONAL_OUTPUTS
 
 __all__ = ["ChunkedLogProbFunction", "calls", "disable", "enable", "enabled", "is_enabled"]
@@ -52,6 +53,8 @@ __all__ = ["ChunkedLogProbFunction", "calls", "disable", "enable", "enabled", "i
 # What enable() replaced: (module, attribute) -> the original object.
 _REPLACED: dict[tuple[object, str], object] = {}
 _CALLS: Counter = Counter()
+# enable()'s keep_logits, read by every forward (one slot, so that a later enable() changes it).
+_KEEP_LOGITS = [False]
 
 
 def calls() -> dict[str, int]:
@@ -78,13 +81,13 @@ class _Head(torch.autograd.Function):
         # The weight gradient accumulates in fp32, as in TRL's own kernel.
         accum_fp32 = weight.dtype != torch.float32
         results = chunked_logprob_forward(hidden, weight, bias, targets, -100, temperature, softcap, logit_scale,
-                                          *wanted, 0, accum_fp32)
-        _logp, lse, ent, sq, mean, top1 = results
+                                          *wanted, 0, accum_fp32, _KEEP_LOGITS[0])
+        _logp, lse, ent, sq, mean, top1, kept = results
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse, sq, mean, top1)
+        ctx.mark_non_differentiable(lse, sq, mean, top1, kept)
         ctx.options = (-100, temperature, softcap, logit_scale, 0, accum_fp32)
         ctx.entropy = wanted[0]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, kept)
         _CALLS["forward"] += 1
         return results
 
@@ -119,7 +122,7 @@ class ChunkedLogProbFunction:
                 targets.contiguous(), float(temperature), float(final_logit_softcapping or 0.0),
                 float(logit_scale), wanted)
         with torch.autocast(hidden.device.type, enabled=False) if cast else contextlib.nullcontext():
-            logp, _lse, *extras = _Head.apply(*args)
+            logp, _lse, *extras, _kept = _Head.apply(*args)
         return (logp, *(t if want else None for t, want in zip(extras, wanted)))
 
 
@@ -135,10 +138,16 @@ def _targets():
     return [(trl.trainer.utils, "_ChunkedLogProbFunction"), (trl.kernels, "ChunkedLogProbFunction")]
 
 
-def enable() -> None:
+def enable(*, keep_logits: bool = False) -> None:
     """Make TRL's trainers compute their per-token log-probabilities (their fused LM head) with
-    Onca. Idempotent; :func:`disable` restores TRL's kernel."""
-    for module, name in _targets():
+    Onca. Idempotent; :func:`disable` restores TRL's kernel. ``keep_logits=True`` keeps each
+    call's ``(tokens, vocab)`` logits (in the head's dtype) from the forward to the backward, which
+    then reads them instead of recomputing them (:func:`onca.functional.fused_linear_logprobs`'s
+    option of that name): faster, at ``tokens * vocab * itemsize`` bytes more per call in flight."""
+    check_bool(keep_logits, "keep_logits")
+    targets = _targets()
+    _KEEP_LOGITS[0] = keep_logits
+    for module, name in targets:
         if (module, name) not in _REPLACED:
             _REPLACED[(module, name)] = getattr(module, name)
         setattr(module, name, ChunkedLogProbFunction)
@@ -149,6 +158,7 @@ def disable() -> None:
     for (module, name), original in list(_REPLACED.items()):
         setattr(module, name, original)
     _REPLACED.clear()
+    _KEEP_LOGITS[0] = False
 
 
 def is_enabled() -> bool:
@@ -156,13 +166,16 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def enabled():
-    """``with enabled(): trainer.train()``: Onca's fused head inside the block, TRL's after (unless
-    it was enabled before)."""
-    was = is_enabled()
-    enable()
+def enabled(*, keep_logits: bool = False):
+    """``with enabled(): trainer.train()``: Onca's fused head inside the block (with
+    :func:`enable`'s ``keep_logits``), TRL's after (unless it was enabled before, whose setting is
+    then restored)."""
+    was, kept_before = is_enabled(), _KEEP_LOGITS[0]
+    enable(keep_logits=keep_logits)
     try:
         yield
     finally:
         if not was:
             disable()
+        else:
+            _KEEP_LOGITS[0] = kept_before
