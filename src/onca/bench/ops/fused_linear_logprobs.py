@@ -29,6 +29,10 @@ from onca.bench.spec import OpBenchmark, d1, d2, itemsize
 
 TOKENS = 16384
 QWEN3_06B = {"hidden": 1024, "vocab": 151936}
+LLAMA3_HEAD = {"hidden": 4096, "vocab": 128256}
+# Onca's two backward modes: the logits recomputed (the default) or kept from the forward
+# (keep_logits=True: three head matmuls, tokens x vocab more memory). The other providers ignore it.
+LOGITS = ("recomputed", "kept")
 OUTPUTS = {
     "none": (),
     "sft": ("entropy", "is_top1"),
@@ -61,8 +65,9 @@ def _detached(log_probs, *stats):
 def onca(p, inputs):
     from onca.ops.fused_linear_logprobs import fused_linear_logprobs
 
-    i, wanted = inputs, _wanted(p)
-    return lambda: _detached(*fused_linear_logprobs(i["hidden"], i["weight"], i["labels"], outputs=wanted))
+    i, wanted, keep = inputs, _wanted(p), p.get("logits") == "kept"
+    return lambda: _detached(*fused_linear_logprobs(i["hidden"], i["weight"], i["labels"], outputs=wanted,
+                                                    keep_logits=keep))
 
 
 def reference(p, inputs):
@@ -128,6 +133,7 @@ def memory(p, dtype, provider, mode):
         forward = min(t, 512) * v * b
         backward = min(t, 1024) * v * b + 4 * v * h
         extra = forward if mode == "forward" else max(forward, backward)
+        extra += t * v * b if p.get("logits") == "kept" else 0
     elif provider == "trl":
         tile = min(t, TRL_TOKEN_TILE) * min(v, TRL_VOCAB_TILE) * b
         extra = tile + (0 if mode == "forward" else 4 * (t * h + v * h))
@@ -148,6 +154,9 @@ BENCHMARK = OpBenchmark(
         d1("outputs", list(OUTPUTS), {**QWEN3_06B, "tokens": TOKENS},
            f"per-token outputs ({TOKENS} tokens, Qwen3-0.6B's head)"),
         d2(lambda m: {"tokens": TOKENS, "hidden": m.hidden_size, "vocab": m.vocab_size, "outputs": "grpo"}),
+        d1("logits", list(LOGITS), {**LLAMA3_HEAD, "tokens": TOKENS, "outputs": "grpo"},
+           f"Onca's logits {' or '.join(LOGITS)} "
+           f"(keep_logits; {TOKENS} tokens, Llama-3's head, GRPO's outputs)"),
     ),
     flops=flops,
     memory_estimate=memory,

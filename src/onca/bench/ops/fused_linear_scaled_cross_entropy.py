@@ -6,7 +6,8 @@ Reference: the unfused computation (verl's / liger-kernel's fallback formulas): 
 entropy, timed eager as ``torch`` and compiled as ``torch_compile``. liger-kernel:
 ``LigerFusedLinearScaledCrossEntropyFunction`` (a CuTe DSL kernel on sm_90, its chunked torch
 fallback elsewhere). Matmul-bound: ``flops`` counts the head's matmuls each provider must do at
-least (forward 1, backward 2); Onca's backward recomputes the logits (one more).
+least (forward 1, backward 2); Onca's backward recomputes the logits (one more) unless the ``logits``
+sweep's point keeps them (``keep_logits=True``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ TOKENS = 8192
 HIDDEN = 4096
 VOCAB = 128256
 TEMPERATURE = 0.7
+# Onca's two backward modes: the logits recomputed (the default) or kept from the forward
+# (keep_logits=True: three head matmuls, tokens x vocab more memory). The other providers ignore it.
+LOGITS = ("recomputed", "kept")
 
 
 def make_inputs(p, dtype, device):
@@ -33,8 +37,9 @@ def make_inputs(p, dtype, device):
 def onca(p, inputs):
     from onca.ops.fused_linear_scaled_cross_entropy import fused_linear_scaled_cross_entropy
 
+    keep = p.get("logits") == "kept"
     return lambda: fused_linear_scaled_cross_entropy(inputs["hidden"], inputs["weight"], inputs["target"],
-                                                     TEMPERATURE, return_entropy=True)
+                                                     TEMPERATURE, return_entropy=True, keep_logits=keep)
 
 
 def reference(p, inputs):
@@ -71,7 +76,8 @@ def memory_estimate(p, dtype, provider, mode):
 
         # one chunk of logits; the fp32 dW accumulator for bf16/fp16 heads
         accumulator = 0 if mode == "forward" or b == 4 else v * h * 4
-        extra = min(t, 2 * FORWARD_CHUNK_TOKENS) * v * b + accumulator + 16 * t
+        kept = t * v * b if p.get("logits") == "kept" else 0
+        extra = min(t, 2 * FORWARD_CHUNK_TOKENS) * v * b + kept + accumulator + 16 * t
     elif provider == "liger":
         # its fallback: 512-token chunks of fp32 logits, probabilities and log-probabilities
         extra = min(t, 512) * v * 16 + 16 * t
@@ -96,6 +102,9 @@ BENCHMARK = OpBenchmark(
         d1("vocab", [32000, 128256, 151936, 262144], {"tokens": TOKENS, "hidden": HIDDEN},
            "vocabulary (8192 tokens, hidden 4096)"),
         d2(lambda m: {"tokens": TOKENS, "hidden": m.hidden_size, "vocab": m.vocab_size}),
+        d1("logits", list(LOGITS), {"tokens": TOKENS, "hidden": HIDDEN, "vocab": VOCAB},
+           f"Onca's logits {' or '.join(LOGITS)} "
+           f"(keep_logits; {TOKENS} tokens, hidden {HIDDEN}, vocab {VOCAB})"),
     ),
     flops=flops,
     memory_estimate=memory_estimate,
