@@ -705,7 +705,8 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tenso
     a head-sized fp32 buffer more at the backward's peak). ``keep_logits=True`` trades memory for
     speed: the forward keeps the whole ``(tokens, vocab)`` logits in the input dtype (``tokens *
     vocab * itemsize`` bytes until the backward has run) and the backward reads them instead of
-    recomputing them, three head matmuls instead of four, with the same result to rounding."""
+    recomputing them, three head matmuls instead of four, with the same result to rounding
+    (``chunk_tokens`` then sizes only the backward's tiles)."""
     check_tensor(hidden, "hidden")
     check_bool(entropy, "entropy")
     check_bool(keep_logits, "keep_logits")
