@@ -165,11 +165,13 @@ def test_backward_over_vocabulary_tiles(profile, device, dtype, vocab_tiles):
 
 def test_gradients_never_read_unwritten_memory(device, vocab_tiles, poisoned_empty):
     """The tiled backward (several token chunks and vocabulary tiles, an fp32 and a bf16 weight
-    gradient) and the pair-aligned DPO path, with every fresh buffer NaN: the same gradients."""
+    gradient, the logits recomputed or kept) and the pair-aligned DPO path, with every fresh buffer
+    NaN: the same gradients."""
     from onca.ops.fused_linear_dpo import fused_linear_dpo
 
     h, w, b, labels = make_inputs((4, 9, 16, 203), torch.float32, device, bias=True, empty_row=1)
     check(h, w, b, labels, chunk_tokens=None)
+    check(h, w, b, labels, chunk_tokens=None, keep_logits=True)
     for accum_dtype in (None, torch.float32):
         hk, wk = leaf(h.bfloat16()), leaf(w.bfloat16())
         logp, _ = chunked_logprobs(hk, wk, labels, accum_dtype=accum_dtype)
