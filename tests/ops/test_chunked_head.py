@@ -264,10 +264,16 @@ def test_keep_logits_matches_reference(profile, device, dtype, vocab_tiles):
     assert vocab_tiles and all(width < 203 for width in vocab_tiles)
 
 
-def test_keep_logits_runs_one_head_matmul(monkeypatch, device):
-    """Kept: one matmul over every token in the forward, none in the backward; recomputed: one per
+@pytest.mark.parametrize("keep_chunk", [None, 8], ids=["one-chunk", "8-token-chunks"])
+def test_keep_logits_runs_three_head_matmuls(monkeypatch, device, keep_chunk):
+    """Kept: one head matmul per forward chunk of up to ``GRAD_TILE_TOKENS`` tokens (one here, or
+    several written into their rows of the kept logits), none in the backward; recomputed: one per
     forward chunk and one per backward tile. The results agree to rounding."""
+    if keep_chunk:
+        monkeypatch.setattr(_chunked_head, "GRAD_TILE_TOKENS", keep_chunk)
     h, w, b, labels = make_inputs(BASE, torch.float32, device, bias=True, empty_row=1)
+    tokens = labels.numel()
+    kept_chunks = -(-tokens // keep_chunk) if keep_chunk else 1
     results = {}
     for keep in (False, True):
         calls = _head_matmuls(monkeypatch)
@@ -276,7 +282,7 @@ def test_keep_logits_runs_one_head_matmul(monkeypatch, device):
         forward = len(calls)
         (logp.sum() + ent.sum()).backward()
         results[keep] = (forward, len(calls) - forward, logp, ent, hk.grad, wk.grad, bk.grad)
-    assert results[True][:2] == (1, 0)
+    assert results[True][:2] == (kept_chunks, 0) and (kept_chunks > 1) == bool(keep_chunk)
     assert results[False][0] > 1 and results[False][1] > 1
     names = ("logp", "entropy", "dh", "dw", "db")
     for kept, recomputed, name in zip(results[True][2:], results[False][2:], names):

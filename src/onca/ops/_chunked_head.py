@@ -50,8 +50,8 @@ plain torch on ``(tokens,)`` and ``(sequences,)`` tensors (graph-friendly: no ho
 composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one extra head matmul
 per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype);
 the reference model's pass is forward only (1 matmul). Where the memory is there, ``keep_logits=True``
-keeps the forward's logits (the whole ``(tokens, vocab)``, in the input dtype, one matmul over every
-token) for the backward to read: 3 matmuls, and the backward's scratch holds only the gradient
+keeps the forward's logits (the whole ``(tokens, vocab)``, in the input dtype, in chunks of up to
+``GRAD_TILE_TOKENS`` tokens) for the backward to read: 3 matmuls, and the backward's scratch holds only the gradient
 tiles it writes (the kept logits are never overwritten: a second backward reads them again).
 The paired losses (DPO, CPO, SimPO, ORPO: sums over pairs) take the other way where it pays
 (:mod:`onca.ops._paired_head`: chunks of whole pairs, the per-pair derivatives in closed form, 3
@@ -366,22 +366,22 @@ def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> 
 
 def chunk_loop(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunks: ChunkPlan, visit, *,
                dx: Tensor | None = None, dw: Tensor | None = None, db: Tensor | None = None,
-               logits_dtype: torch.dtype | None = None, scratch: Tensor | None = None) -> None:
+               logits_dtype: torch.dtype | None = None, kept: Tensor | None = None) -> None:
     """Run the chunks of consecutive tokens of the 2-D ``hidden``: each chunk's logits by one matmul
     into a reused scratch (``logits_dtype``, default the input dtype), then ``visit(logits, start,
     end)``, which reads them and, when any of ``dx``/``dw``/``db`` is given, returns
     ``dLoss/dLogits`` in the input dtype (usually written over the logits themselves; ``None``
     means the logits buffer holds it), zero rows for tokens that take no gradient; then
     ``dx[chunk] = g @ W``, ``dw += g.T @ h`` (``=`` on the first chunk: ``dw`` may be
-    uninitialised), ``db += g.sum(0)``. ``scratch`` (``(chunk, vocab)``) is the caller's buffer for
-    the logits, where it keeps them."""
+    uninitialised), ``db += g.sum(0)``. With ``kept`` (``(tokens, vocab)``, the caller's), each
+    chunk's logits are written into its rows there instead of the scratch, and stay."""
     vocab = weight.shape[0]
-    if scratch is None:
+    if kept is None:
         scratch = torch.empty((chunks.chunk, vocab), dtype=logits_dtype or hidden.dtype, device=hidden.device)
     for index in range(chunks.n_chunks):
         start, end = chunks.bounds(index)
         h = hidden[start:end]
-        logits = head_logits(h, weight, bias, scratch[: end - start])
+        logits = head_logits(h, weight, bias, scratch[: end - start] if kept is None else kept[start:end])
         g = visit(logits, start, end)
         g = logits if g is None else g
         if dx is not None:
@@ -493,9 +493,9 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
     ``hidden`` (fp32; ``is_top1`` bool; each optional one empty unless asked for), over the logits
     ``transform(hidden @ weight.T + bias)`` (``logit_scale``, soft-capping at ``softcap`` unless it
     is 0, ``temperature``). One head matmul per chunk and the statistics kernel; nothing else is
-    kept, unless ``keep_logits``: then one matmul over every token, and its ``(tokens, vocab)``
-    output in the input dtype is returned as ``logits`` for the backward to read instead of
-    recomputing it (empty otherwise). ``accum_fp32`` is the backward's (its weight gradient
+    kept, unless ``keep_logits``: then the chunks (up to ``GRAD_TILE_TOKENS`` tall) write into one
+    ``(tokens, vocab)`` buffer in the input dtype, returned as ``logits`` for the backward to read
+    instead of recomputing them (empty otherwise). ``accum_fp32`` is the backward's (its weight gradient
     accumulated in fp32): the chunks take the backward's scratch budget."""
     tokens, vocab = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -508,9 +508,10 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
     kept = hidden.new_empty((tokens, vocab) if keep_logits else (0,))
     if tokens:
         if keep_logits:
-            # Every token in one chunk, its scratch the kept logits.
+            # Chunks as tall as the backward's tiles, each written into its rows of the kept logits
+            # (tall enough for the GEMM, and no single GEMM output beyond 2**31 elements).
             row_bytes = vocab * kept.element_size()
-            chunks = plan_token_chunks(tokens, row_bytes, tokens * row_bytes, multiple=1)
+            chunks = plan_token_chunks(tokens, row_bytes, GRAD_TILE_TOKENS * row_bytes, multiple=1)
         else:
             # The backward's scratch budget (twice the tokens with an fp32 weight gradient): the
             # backward holds that much anyway, and the head's GEMM runs deeper in the token dimension.
@@ -525,7 +526,7 @@ def chunked_logprob_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None,
                          part(sq, log_sum_sq_probs), part(mean, mean_logits), part(top1, is_top1),
                          ignore_index, temperature, softcap, logit_scale)
 
-        chunk_loop(hidden, weight, bias, chunks, visit, scratch=kept if keep_logits else None)
+        chunk_loop(hidden, weight, bias, chunks, visit, kept=kept if keep_logits else None)
     return logp, lse, ent, sq, mean, top1.view(torch.bool), kept
 
 

@@ -22,8 +22,8 @@ vocabulary (the same scratch), writes their gradient over them with one kernel a
 gradient matmuls (``dweight``/``dbias`` accumulated in fp32, ``dhidden`` in fp32 over the
 vocabulary's tiles). An output
 whose gradient is None (the entropy, when only logged) costs nothing in backward. With
-``keep_logits=True`` the forward keeps its logits (one matmul over every token, ``tokens x vocab``
-elements in the input dtype) and the backward reads them instead of recomputing them: three head
+``keep_logits=True`` the forward keeps its logits (``tokens x vocab`` elements in the input dtype,
+written by chunks of up to 4096 tokens) and the backward reads them instead of recomputing them: three head
 matmuls instead of four.
 
 ``onca.integrations.trl.enable()`` makes TRL's trainers (SFT, DPO, GRPO, KTO, RLOO: every one that
