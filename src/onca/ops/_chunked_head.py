@@ -51,8 +51,9 @@ composes), and autograd hands the backward op ``dL/dlogp`` per token. Cost: one 
 per chunk (4 in all, against 3) for the same scratch (one ``(chunk, V)`` buffer in the input dtype);
 the reference model's pass is forward only (1 matmul). Where the memory is there, ``keep_logits=True``
 keeps the forward's logits (the whole ``(tokens, vocab)``, in the input dtype, in chunks of up to
-``GRAD_TILE_TOKENS`` tokens) for the backward to read: 3 matmuls, and the backward's scratch holds only the gradient
-tiles it writes (the kept logits are never overwritten: a second backward reads them again).
+``GRAD_TILE_TOKENS`` tokens) for the backward to read: 3 matmuls, and the backward's scratch
+holds only the gradient tiles it writes (the kept logits are never overwritten: a second backward
+reads them again).
 The paired losses (DPO, CPO, SimPO, ORPO: sums over pairs) take the other way where it pays
 (:mod:`onca.ops._paired_head`: chunks of whole pairs, the per-pair derivatives in closed form, 3
 matmuls), and so do GRPO with token-level ratios, whose derivative per token needs only the
