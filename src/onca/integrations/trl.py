@@ -33,7 +33,8 @@ Differences from TRL's kernel: ``chunk_size`` (TRL's vocabulary tile) is ignored
 tokens over the whole vocabulary, sized from the free device memory); a head whose dtype differs
 from the hidden states' (``cast_lm_head_to_fp32``) or from the autocast dtype is cast whole
 before the call (TRL casts per vocabulary tile), and its gradient is accumulated in fp32 and
-rounded to that dtype once.
+rounded to that dtype once. ``enable(keep_logits=True)`` keeps each call's logits for its backward
+(three head matmuls instead of TRL's four, ``tokens x vocab`` elements more memory per call).
 """
 
 from __future__ import annotations
