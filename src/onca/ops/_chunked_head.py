@@ -58,11 +58,11 @@ The paired losses (DPO, CPO, SimPO, ORPO: sums over pairs) take the other way wh
 (:mod:`onca.ops._paired_head`: chunks of whole pairs, the per-pair derivatives in closed form, 3
 matmuls), and so do GRPO with token-level ratios, whose derivative per token needs only the
 token's own log-probability, and KTO, whose needs only its sequence's sum
-(:mod:`onca.ops._token_head`: chunks of tokens or of whole sequences). ``dWeight`` accumulates over the chunks in
-the weight's dtype by default (liger-kernel's chunked losses do the same): an fp32 accumulator
-(``accum_dtype=torch.float32``, TRL's choice, the default of :func:`fused_linear_logprobs`) and its
-final cast hold three bytes per head element more at the backward's peak (3 GB for a bf16
-Llama-3 head).
+(:mod:`onca.ops._token_head`: chunks of tokens or of whole sequences). ``dWeight`` accumulates
+over the chunks in the weight's dtype by default (liger-kernel's chunked losses do the same): an
+fp32 accumulator (``accum_dtype=torch.float32``, TRL's choice, the default of
+:func:`fused_linear_logprobs`) and its final cast hold three bytes per head element more at the
+backward's peak (3 GB for a bf16 Llama-3 head).
 
 Gradient (per token, ``p = softmax(z)``, ``zbar = sum_j p_j z_j = lse - entropy``)::
 
