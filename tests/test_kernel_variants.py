@@ -75,3 +75,23 @@ def test_a_constant_that_does_not_reach_the_launches_is_reported(tmp_path, devic
         assert any("did not reach the launches" in line for line in lines) != reaches, (op, extra, lines)
         assert op.FORWARD_TILES == before
     assert kernel_variants.changes_kernels(rms_norm, [[ONE_TILE, ONE_TILE.replace("eps)", "eps * 2)")]], "k")
+
+
+def test_a_variant_of_an_op_that_caches_no_launch_configurations_is_not_judged(tmp_path, device):
+    """Fused MoE plans its grouped GEMMs at each call and caches no launch configuration: a tile
+    variant is reported as not checked, never as one that did not reach the launches (an H200 run
+    of 2026-12-01 said so of variants whose tiles measured 1.2x faster)."""
+    from onca.ops import fused_moe
+
+    up = '"up": dict(max_block_n=128, '
+    subs = [[up, '"up": dict(max_block_n=64, ']]
+    assert not kernel_variants.changes_kernels(fused_moe, subs, "v")
+    bench = harness.load("fused_moe")
+    variant = kernel_variants.variant_names(fused_moe, subs, "v", str(tmp_path))
+    lines = []
+    point = {**bench.probe, "tokens": 4}
+    kernel_variants.time_points(bench, fused_moe, {"v": variant}, [("probe", point)], device=device, rounds=1,
+                                constants_only=frozenset({"v"}), report=lines.append)
+    assert any(line.startswith("probe v: ") for line in lines)
+    assert any("not checked" in line for line in lines), lines
+    assert not any("did not reach the launches" in line for line in lines), lines
