@@ -218,6 +218,26 @@ def test_matmul_plan_overrides_and_tight_budgets():
         plan_matmul(64, 64, 64, torch.float32, h100, max_block_k=48)
 
 
+def test_matmul_accumulator_limit_shrinks_the_output_tile_not_the_k_step():
+    """Two 128 x 128 accumulators pass the GPU's default 128 x 128 limit: the column tile halves and
+    the k step stays (their size does not depend on it); a raised limit and deeper pipeline are
+    taken on a GPU and ignored where the on-chip budget alone bounds the tiles."""
+    h200, ascend = PROFILES["h200"], PROFILES["ascend910b4"]
+    gated = plan_matmul(2048, 14336, 4096, torch.bfloat16, h200, accumulators=2)
+    assert (gated.block_m, gated.block_n, gated.block_k, gated.num_stages) == (128, 64, 64, 3)
+    wide = plan_matmul(2048, 14336, 4096, torch.bfloat16, h200, max_block_n=256,
+                       max_acc_elements=128 * 256, num_stages=4)
+    assert (wide.block_m, wide.block_n, wide.block_k, wide.num_stages, wide.num_warps) == (128, 256, 64, 4, 8)
+    default = plan_matmul(2048, 14336, 4096, torch.bfloat16, ascend, max_block_n=256)
+    assert plan_matmul(2048, 14336, 4096, torch.bfloat16, ascend, max_block_n=256,
+                       max_acc_elements=256, num_stages=4) == default
+    with pytest.raises(TilingError, match="max_acc_elements must be at least 256 and num_stages"):
+        plan_matmul(64, 64, 64, torch.bfloat16, h200, num_stages=0)
+    too_many = r"2 fp32 accumulator\(s\) of 16 x 16 exceed max_acc_elements \(256\)"
+    with pytest.raises(TilingError, match=too_many):
+        plan_matmul(64, 64, 64, torch.bfloat16, h200, accumulators=2, max_acc_elements=256)
+
+
 def test_plans_are_cached_and_printable():
     a = plan_rows(16384, 4096, torch.bfloat16, 3, PROFILES["ascend910b4"], fp32_tiles=2)
     b = plan_rows(16384, 4096, torch.bfloat16, 3, PROFILES["ascend910b4"], fp32_tiles=2)

@@ -380,6 +380,8 @@ _MAX_DOT_M, _MAX_DOT_N, _MAX_DOT_K = 128, 128, 64
 # Registers bound a GPU program's accumulators: at most this many fp32 accumulator elements
 # (128 x 128, 64 registers a thread over 8 warps) before they spill.
 _GPU_ACC_ELEMENTS = 128 * 128
+# The software pipeline's depth on a GPU: operand tiles of this many k steps in flight.
+_GPU_STAGES = 3
 
 
 def plan_matmul(
@@ -395,6 +397,8 @@ def plan_matmul(
     max_block_n: int = _MAX_DOT_N,
     max_block_k: int = _MAX_DOT_K,
     num_warps: int | None = None,
+    max_acc_elements: int = _GPU_ACC_ELEMENTS,
+    num_stages: int = _GPU_STAGES,
 ) -> MatmulPlan:
     """Plan a tiled matmul ``(m, k) @ (k, n)`` in ``dtype`` with ``accumulators`` fp32 output tiles
     (two for a gated product computed in one pass) and ``epilogue_tiles`` more fp32 output-sized
@@ -405,17 +409,21 @@ def plan_matmul(
     never below 16, ``tl.dot``'s minimum); the largest side is halved until the operand tiles (times
     the pipeline's stages) and the fp32 tiles fit the profile's on-chip budget, and at the smallest
     tiles the pipeline loses stages. ``num_warps`` overrides the GPU's warp count (measured best for
-    a kernel); other profiles keep theirs.
+    a kernel); other profiles keep theirs. ``max_acc_elements`` (one program's fp32 accumulator
+    elements, all accumulators together) and ``num_stages`` (the pipeline's depth) are the GPU's
+    register and pipelining limits, raised by a kernel whose larger tiles measured faster; the
+    other profiles, bounded by their on-chip budget alone, ignore them.
     """
     profile = profile or get_profile()
     return _plan_matmul(int(m), int(n), int(k), dtype, profile, int(accumulators), int(epilogue_tiles),
                         None if block_m is None else int(block_m), int(max_block_n), int(max_block_k),
-                        None if num_warps is None else int(num_warps))
+                        None if num_warps is None else int(num_warps), int(max_acc_elements),
+                        int(num_stages))
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m, max_block_n, max_block_k,
-                 num_warps) -> MatmulPlan:
+                 num_warps, max_acc_elements, num_stages) -> MatmulPlan:
     if accumulators < 1:
         raise TilingError(f"a matmul needs at least one accumulator, got {accumulators}")
     for name, side in (("max_block_n", max_block_n), ("max_block_k", max_block_k)):
@@ -425,16 +433,29 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m,
     side = lambda size, largest: max(_MIN_DOT, min(largest, next_power_of_2(max(1, size))))  # noqa: E731
     bm = block_m if block_m is not None else side(m, _MAX_DOT_M)
     bn, bk = side(n, max_block_n), side(k, max_block_k)
-    stages = 3 if profile.kind == "cuda" else 1
+    if max_acc_elements < _MIN_DOT * _MIN_DOT or num_stages < 1:
+        raise TilingError(f"max_acc_elements must be at least {_MIN_DOT * _MIN_DOT} and num_stages at "
+                          f"least 1, got {max_acc_elements} and {num_stages}")
+    stages = num_stages if profile.kind == "cuda" else 1
     fp32_tiles = accumulators + epilogue_tiles
 
     def cost(bm, bn, bk):
         return (bm * bk + accumulators * bn * bk) * itemsize * stages + fp32_tiles * bm * bn * 4
 
     def acc_ok(bm, bn):
-        return profile.kind != "cuda" or accumulators * bm * bn <= _GPU_ACC_ELEMENTS
+        return profile.kind != "cuda" or accumulators * bm * bn <= max_acc_elements
 
-    while cost(bm, bn, bk) > profile.onchip_bytes or not acc_ok(bm, bn):
+    # The accumulators first: their size does not depend on the k step, so only the output tile
+    # shrinks for them.
+    while not acc_ok(bm, bn):
+        if bn > _MIN_DOT and (block_m is not None or bn >= bm):
+            bn //= 2
+        elif block_m is None and bm > _MIN_DOT:
+            bm //= 2
+        else:
+            raise TilingError(f"{accumulators} fp32 accumulator(s) of {bm} x {bn} exceed max_acc_elements "
+                              f"({max_acc_elements})")
+    while cost(bm, bn, bk) > profile.onchip_bytes:
         if bk > _MIN_DOT and bk >= max(bn, bm if block_m is None else 0) // 2:
             bk //= 2
         elif bn > _MIN_DOT and (block_m is not None or bn >= bm):

@@ -205,6 +205,31 @@ def test_plan_covers_the_kernels(profile):
         assert getattr(p, "tile_bytes", 0) <= p.onchip_bytes
 
 
+# The shared memory one H100/H200 program may hold (227 KB); each pipeline stage holds both
+# operand tiles.
+_GPU_SHARED_BYTES = 232448
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_plans_take_the_wide_tiles_within_shared_memory(dtype):
+    """On an H200 the 2-byte GEMMs take ``GPU_GEMM_TILES`` (128 x 256, four stages; the gated up
+    GEMM two 128 x 128 accumulators), fp32 the planner's defaults; every stage's operand tiles
+    fit the shared memory (four stages of fp32 128 x 256 tiles asked 294912 bytes there)."""
+    from onca.device import PROFILES
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    moe_shapes = (((8192, 4096), 8, 2, 14336), ((4096, 2048), 128, 8, 768), ((4096, 2880), 32, 4, 2880))
+    for shape, e, k, i in moe_shapes:
+        plans = op.plan(shape, dtype, PROFILES["h200"], num_experts=e, top_k=k, intermediate=i)
+        wide = itemsize == 2
+        assert (plans["down"].block_n, plans["down"].num_stages) == ((256, 4) if wide else (128, 3))
+        assert (plans["up"].block_n, plans["up"].block_k) == ((128, 64) if wide else (64, 64))
+        for name, p in plans.items():
+            if hasattr(p, "block_k"):
+                operands = (p.block_m * p.block_k + p.accumulators * p.block_n * p.block_k) * itemsize
+                assert operands * p.num_stages <= _GPU_SHARED_BYTES, (name, p.describe())
+
+
 def test_bad_input(device):
     x, w1, w2, _, _, index, weights = make(*BASE, torch.float32, device)
     with pytest.raises(ValueError, match="gate_up_proj must have shape"):
