@@ -658,3 +658,40 @@ def test_merge_keeps_the_points_every_provider_reached_and_the_later_run(tmp_pat
     (tmp_path / "empty").mkdir()
     assert cli.main(["bench", "merge", str(tmp_path / "empty"), "--out", str(data)]) == 1
     assert "empty: no benchmark JSON" in capsys.readouterr().err
+
+
+def test_two_sweeps_over_one_x_name_stay_apart(tmp_path, monkeypatch):
+    """Fused MoE sweeps tokens twice (at two models' expert shapes): each sweep's points stay its own
+    in the run's records, the merged JSON and CSV, the tables, the summary and the charts. Keyed by
+    the x name alone, the second sweep's points replaced the first's at the x values both have and
+    took the first's others under its own label (an H200 run of 2026-12-01)."""
+    import dataclasses
+
+    small, wide = "n (small rows)", "n (wide rows)"
+    bench = dataclasses.replace(toy_benchmark(), sweeps=(d1("n", [4, 8], {"w": 1}, small),
+                                                         d1("n", [4, 16], {"w": 2}, wide)))
+    # Every point of each sweep, not the CPU's one probe point.
+    monkeypatch.setattr(harness.Harness, "points", lambda self, bench, sweep: list(sweep.points))
+    run = cpu_harness().run(bench, list(bench.sweeps))
+
+    def points(recs):
+        return {(r.x_label, str(p.x)) for r in recs
+                if (r.kernel_provider, r.metric_name, r.kernel_operation_mode) == ("onca", "speed", "full")
+                for p in r.points}
+
+    expected = {(small, "4"), (small, "8"), (wide, "4"), (wide, "16")}
+    assert points(records.merge(run)) == expected
+    run_dir, data = tmp_path / "run", tmp_path / "data"
+    records.write_json(str(run_dir / "toy-cpu-float32.json"), records.merge(run))
+    lines = records.merge_runs([str(run_dir)], str(data))
+    assert lines == [f"{run_dir}/toy-cpu-float32.json: 12 points"]  # 4 x values, 3 modes
+    assert points(records.read_json(str(data / "toy-cpu-float32.json"))) == expected
+    rows = records.latest(records.read_csv(str(data / "results.csv")))
+    assert {(r["x_label"], r["x_value"]) for r in rows if r["kernel_provider"] == "onca"
+            and r["metric_name"] == "speed" and r["kernel_operation_mode"] == "full"} == expected
+    text = report.table(run, "speed")
+    assert f"toy · d1 over {small} · full · speed" in text and f"toy · d1 over {wide} · full · speed" in text
+    assert " of 4 points" in report.below_peers(rows).splitlines()[0]
+    names = {p.rsplit("/", 1)[-1] for p in plot.plot_csv(str(data / "results.csv"), str(tmp_path / "plots"),
+                                                            include_cpu=True) if p.endswith("-speed.png")}
+    assert names == {"cpu-float32-d1-n-small-rows-speed.png", "cpu-float32-d1-n-wide-rows-speed.png"}

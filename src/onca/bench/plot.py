@@ -9,7 +9,7 @@ import math
 import os
 import re
 
-from onca.bench.records import latest, read_csv
+from onca.bench.records import axis, latest, read_csv
 from onca.bench.report import LIMIT_SUFFIX, ordered
 from onca.bench.spec import MODES
 
@@ -43,11 +43,14 @@ def plot_csv(csv_path: str, out_dir: str, ops: list[str] | None = None, include_
         rows = [r for r in rows if r["kernel_name"] in ops]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = (r["kernel_name"], r["gpu_name"], r["dtype"], r["sweep"], r["x_name"], r["metric_name"])
+        key = (r["kernel_name"], r["gpu_name"], r["dtype"], *axis(r), r["metric_name"])
         groups.setdefault(key, []).append(r)
+    # Two sweeps of one op over the same x name (fused MoE's tokens at two expert shapes) get their
+    # labels into the chart's file name; every other chart keeps its name.
+    names = [(op, gpu, dtype, sweep, x_name, metric) for op, gpu, dtype, sweep, x_name, _, metric in groups]
 
     written = []
-    for (op, gpu, dtype, sweep, x_name, metric), group in sorted(groups.items()):
+    for (op, gpu, dtype, sweep, x_name, x_label, metric), group in sorted(groups.items()):
         if all(math.isnan(r["y_value_50"]) for r in group):
             continue  # nothing measured (e.g. memory on the CPU)
         modes = [m for m in MODES if any(r["kernel_operation_mode"] == m for r in group)]
@@ -92,7 +95,9 @@ def plot_csv(csv_path: str, out_dir: str, ops: list[str] | None = None, include_
                 ax.legend(fontsize=8)
         fig.suptitle(f"{op} · {metric} · {sweep} over {x_name} · {gpu} · {dtype}", fontsize=10)
         fig.tight_layout()
-        path = os.path.join(out_dir, op, f"{_slug(gpu)}-{dtype}-{sweep}-{_slug(x_name)}-{metric}.png")
+        shared = names.count((op, gpu, dtype, sweep, x_name, metric)) > 1
+        axis_name = _slug(x_label if shared else x_name)
+        path = os.path.join(out_dir, op, f"{_slug(gpu)}-{dtype}-{sweep}-{axis_name}-{metric}.png")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -144,11 +144,11 @@ def read_csv(path: str) -> list[dict]:
 
 
 def latest(rows: list[dict]) -> list[dict]:
-    """Keep, for every (op, provider, metric, mode, sweep, x, device, dtype), the newest row."""
+    """Keep, for every (op, provider, metric, mode, sweep axis, x, device, dtype), the newest row."""
     best: dict[tuple, dict] = {}
     for row in rows:
         key = (row["kernel_name"], row["kernel_provider"], row["metric_name"], row["kernel_operation_mode"],
-               row["sweep"], row["x_name"], row["x_value"], row["gpu_name"], row["dtype"])
+               *axis(row), row["x_value"], row["gpu_name"], row["dtype"])
         if key not in best or row["timestamp"] >= best[key]["timestamp"]:
             best[key] = row
     return list(best.values())
@@ -162,8 +162,8 @@ def merge(records: list[Record]) -> list[Record]:
     run did not measure."""
     merged: dict[tuple, Record] = {}
     for r in records:
-        key = (r.kernel_name, r.kernel_provider, r.metric_name, r.kernel_operation_mode, r.sweep, r.x_name,
-               r.gpu_name, r.dtype)
+        key = (r.kernel_name, r.kernel_provider, r.metric_name, r.kernel_operation_mode, *axis(r), r.gpu_name,
+               r.dtype)
         held = merged.get(key)
         merged[key] = dataclasses.replace(r, points=[] if held is None else held.points)
         at = {_x_key(p.x): i for i, p in enumerate(merged[key].points)}
@@ -174,6 +174,15 @@ def merge(records: list[Record]) -> list[Record]:
                 at[_x_key(p.x)] = len(merged[key].points)
                 merged[key].points.append(p)
     return list(merged.values())
+
+
+def axis(r) -> tuple[str, str, str]:
+    """``(sweep, x_name, x_label)`` of a record or a CSV row: one sweep axis. The label is part of
+    it: an op may sweep one x name twice (fused MoE's tokens, at two models' expert shapes), and
+    the two sweeps' points must never merge."""
+    if isinstance(r, dict):
+        return r["sweep"], r.get("x_name", ""), r.get("x_label", "")
+    return r.sweep, r.x_name, r.x_label
 
 
 def _x_key(x) -> str:
@@ -221,7 +230,7 @@ def whole_points(recs: list[Record]) -> tuple[list[Record], list[tuple]]:
     for r in recs:
         if r.metric_name == "speed":
             providers.setdefault(run_of(r), set()).add(r.kernel_provider)
-            seen = reached.setdefault((run_of(r), r.sweep, r.x_name), {})
+            seen = reached.setdefault((run_of(r), *axis(r)), {})
             seen.setdefault(r.kernel_provider, set()).update(_x_key(p.x) for p in r.points)
     whole, dropped = {}, set()
     for key, seen in reached.items():
@@ -230,7 +239,7 @@ def whole_points(recs: list[Record]) -> tuple[list[Record], list[tuple]]:
         dropped.update((key[0][0], key[1], key[0][1], x) for x in every - whole[key])
     kept = []
     for r in recs:
-        points = [p for p in r.points if _x_key(p.x) in whole.get((run_of(r), r.sweep, r.x_name), set())]
+        points = [p for p in r.points if _x_key(p.x) in whole.get((run_of(r), *axis(r)), set())]
         if points:
             kept.append(dataclasses.replace(r, points=points))
     return kept, sorted(dropped)
@@ -251,7 +260,7 @@ def merge_runs(run_dirs: list[str], into: str) -> list[str]:
             kept, dropped = whole_points(read_json(os.path.join(run, name)))
             append_csv(os.path.join(into, "results.csv"), kept)
             merged.setdefault(name, []).extend(kept)
-            points = {(r.sweep, r.kernel_operation_mode, _x_key(p.x)) for r in kept for p in r.points}
+            points = {(*axis(r), r.kernel_operation_mode, _x_key(p.x)) for r in kept for p in r.points}
             left = "; left out (cut before every provider ran): " + ", ".join(
                 f"{sweep} {mode} {x}" for _, sweep, mode, x in dropped) if dropped else ""
             lines.append(f"{run}/{name}: {len(points)} points{left}")

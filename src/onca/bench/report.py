@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from onca.bench.records import Record
+from onca.bench.records import Record, axis
 from onca.bench.spec import PROVIDERS
 
 SHORT = {"onca": "onca", "torch": "torch", "torch_compile": "compile", "liger": "liger"}
@@ -34,8 +34,8 @@ def table(records: list[Record], metric: str = "speed") -> str:
     groups: dict[tuple, dict[str, Record]] = {}
     for r in records:
         if r.metric_name == metric:
-            groups.setdefault((r.kernel_name, r.sweep, r.x_name, r.kernel_operation_mode), {})[r.kernel_provider] = r
-    for (op, sweep, x_name, mode), by_provider in groups.items():
+            groups.setdefault((r.kernel_name, *axis(r), r.kernel_operation_mode), {})[r.kernel_provider] = r
+    for (op, sweep, x_name, x_label, mode), by_provider in groups.items():
         providers = ordered(by_provider)
         others = [p for p in providers if p != "onca"]
         unit = next(iter(by_provider.values())).metric_unit
@@ -51,7 +51,7 @@ def table(records: list[Record], metric: str = "speed") -> str:
                 row += [_ratio(pts["onca"], pts[p], metric) for p in others]
             rows.append(row)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        lines = [f"{op} · {sweep} over {x_name} · {mode} · {metric}"]
+        lines = [f"{op} · {sweep} over {x_label or x_name} · {mode} · {metric}"]
         lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         blocks.append("\n".join(lines))
@@ -180,9 +180,10 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
         if table_ is None:
             continue
         where = (r["kernel_name"], r.get("gpu_name", ""))
-        # The x name is part of the point: D1 sweeps over tokens and over hidden both have a 1024.
+        # The x name is part of the point: D1 sweeps over tokens and over hidden both have a 1024
+        # (and the axis's label: two sweeps over tokens at two models' shapes).
         x = f"{r['x_name']} {r['x_value']}" if r.get("x_name") else str(r["x_value"])
-        key = (*where, r["sweep"], x)
+        key = (*where, r["sweep"], x, r.get("x_label", ""))
         table_.setdefault(key, {})[r["kernel_provider"]] = r["y_value_50"]
         if table_ is speed:  # a later row's device time replaces an earlier one's, or its absence
             device_ms = r.get("device_ms")
