@@ -89,6 +89,31 @@ def test_detection_falls_back_to_the_accelerator_or_interpreter():
 
         props = torch.cuda.get_device_properties(0)
         assert p.compute_units == props.multi_processor_count  # read from the device, not the table
+        from triton.runtime import driver
+
+        assert p.shared_bytes == driver.active.utils.get_device_properties(0)["max_shared_mem"]
+
+
+def test_shared_memory_comes_from_triton_driver_or_the_table(monkeypatch):
+    """Triton's launcher checks a kernel's shared memory against its driver's ``max_shared_mem``:
+    the planner's limit is that figure where the driver gives it, the profile's table otherwise."""
+    import types
+
+    from triton.runtime import driver
+
+    def props(value):
+        utils = types.SimpleNamespace(get_device_properties=lambda device: value)
+        return types.SimpleNamespace(utils=utils)
+
+    monkeypatch.setattr(d.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(driver, "_active", props({"max_shared_mem": 101376}), raising=False)
+    monkeypatch.setattr(type(driver), "active", property(lambda self: self._active), raising=False)
+    assert d._cuda_shared_bytes() == 101376
+    monkeypatch.setattr(driver, "_active", props({}), raising=False)
+    assert d._cuda_shared_bytes() is None
+    assert d.PROFILES["h200"].shared_bytes == 232448 and d.PROFILES["ascend910b4"].shared_bytes == 0
+    with pytest.raises(ValueError, match="shared_bytes must be a non-negative int"):
+        d.DeviceProfile("cuda", "x", 1, 1024, False, 0.0, shared_bytes=-1)
 
 
 def _run(code: str, env: dict) -> str:

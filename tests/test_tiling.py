@@ -218,6 +218,25 @@ def test_matmul_plan_overrides_and_tight_budgets():
         plan_matmul(64, 64, 64, torch.float32, h100, max_block_k=48)
 
 
+@pytest.mark.parametrize("name", sorted(n for n, p in PROFILES.items() if p.kind == "cuda"))
+def test_matmul_plans_fit_the_gpu_shared_memory(name):
+    """Triton keeps ``stages - 1`` operand tiles of each side in shared memory and refuses a launch
+    asking more than the device has: every plan fits, wide tiles and deep pipelines included (four
+    stages of fp32 128 x 256 tiles asked 294912 bytes of an H200's 232448)."""
+    profile = PROFILES[name]
+    wide = dict(max_block_n=256, max_acc_elements=128 * 256, num_stages=4)
+    for (m, n, k), dtype, accumulators in itertools.product(MATMULS, DTYPES, (1, 2)):
+        for limits in ({}, wide):
+            p = plan_matmul(m, n, k, dtype, profile, accumulators=accumulators, **limits)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            operands = (p.block_m * p.block_k + accumulators * p.block_n * p.block_k) * itemsize
+            assert operands * max(1, p.num_stages - 1) <= profile.shared_bytes, p.describe()
+    h200 = plan_matmul(4096, 4096, 4096, torch.bfloat16, PROFILES["h200"], **wide)
+    assert (h200.block_n, h200.block_k, h200.num_stages) == (256, 64, 4)  # 147456 bytes: fits
+    fp32 = plan_matmul(4096, 4096, 4096, torch.float32, PROFILES["h200"], **wide)
+    assert (fp32.block_n, fp32.block_k, fp32.num_stages) == (128, 64, 4)  # 128 x 256 would ask 294912
+
+
 def test_matmul_accumulator_limit_shrinks_the_output_tile_not_the_k_step():
     """Two 128 x 128 accumulators pass the GPU's default 128 x 128 limit: the column tile halves and
     the k step stays (their size does not depend on it); a raised limit and deeper pipeline are

@@ -42,10 +42,12 @@ class DeviceProfile:
     block must be a multiple of (32 bytes, one UB block, on Ascend). ``persistent`` means grids are
     capped at ``compute_units`` and each program loops over its share of the work.
 
-    Two GPU-only fields (0 elsewhere): ``tile_elements``, the tile size a one-pass kernel is fastest
+    Three GPU-only fields (0 elsewhere): ``tile_elements``, the tile size a one-pass kernel is fastest
     with (registers, not a byte budget, bound GPU tiles); ``warps_per_unit``, the warps a persistent
-    grid keeps resident per SM, as several programs per SM, so loads stay in flight. With
-    ``warps_per_unit == 0`` a persistent grid has at most one program per compute unit.
+    grid keeps resident per SM, as several programs per SM, so loads stay in flight (with
+    ``warps_per_unit == 0`` a persistent grid has at most one program per compute unit);
+    ``shared_bytes``, the shared memory one program may hold (Triton's ``max_shared_mem``), which
+    bounds a matmul's pipelined operand tiles beside the on-chip budget.
     """
 
     kind: str  # "cuda", "npu" or "cpu"
@@ -58,6 +60,7 @@ class DeviceProfile:
     max_warps: int = 16
     tile_elements: int = 0
     warps_per_unit: int = 0
+    shared_bytes: int = 0
 
     def __post_init__(self):
         if self.kind not in ("cuda", "npu", "cpu"):
@@ -66,7 +69,7 @@ class DeviceProfile:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DeviceProfile.{field} must be a positive int, got {value!r}")
-        for field in ("tile_elements", "warps_per_unit"):
+        for field in ("tile_elements", "warps_per_unit", "shared_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"DeviceProfile.{field} must be a non-negative int, got {value!r}")
@@ -105,10 +108,10 @@ _GPU = dict(tile_elements=2048, warps_per_unit=16)
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
-        DeviceProfile("cuda", "h100", 132, _GPU_ONCHIP, False, 3350.0, **_GPU),
-        DeviceProfile("cuda", "h200", 132, _GPU_ONCHIP, False, 4800.0, **_GPU),
-        DeviceProfile("cuda", "a100", 108, _GPU_ONCHIP, False, 2039.0, **_GPU),
-        DeviceProfile("cuda", "cuda-generic", 80, _GPU_ONCHIP, False, 1000.0, **_GPU),
+        DeviceProfile("cuda", "h100", 132, _GPU_ONCHIP, False, 3350.0, shared_bytes=232448, **_GPU),
+        DeviceProfile("cuda", "h200", 132, _GPU_ONCHIP, False, 4800.0, shared_bytes=232448, **_GPU),
+        DeviceProfile("cuda", "a100", 108, _GPU_ONCHIP, False, 2039.0, shared_bytes=166912, **_GPU),
+        DeviceProfile("cuda", "cuda-generic", 80, _GPU_ONCHIP, False, 1000.0, shared_bytes=101376, **_GPU),
         DeviceProfile("npu", "ascend910b2", 48, 196608, True, 1600.0, align_bytes=32),
         DeviceProfile("npu", "ascend910b4", 40, 196608, True, 800.0, align_bytes=32),
         DeviceProfile("npu", "ascend950", 56, 253952, True, 1600.0, align_bytes=32),
@@ -213,10 +216,26 @@ def _cuda_profile() -> DeviceProfile:
         PROFILES["cuda-generic"],
     )
     changes = {"compute_units": props.multi_processor_count}
+    shared = _cuda_shared_bytes()
+    if shared:
+        changes["shared_bytes"] = shared
     gbps = _cuda_bandwidth_gbps(props)
     if gbps:
         changes["peak_gbps"] = gbps
     return dataclasses.replace(base, **changes)
+
+
+def _cuda_shared_bytes() -> int | None:
+    """The shared memory one program may hold, as Triton's driver reports it (what its launcher
+    checks a kernel against), or None where it cannot say."""
+    try:
+        from triton.runtime import driver
+
+        props = driver.active.utils.get_device_properties(torch.cuda.current_device())
+        shared = int(props["max_shared_mem"])
+    except Exception:  # another Triton, or no driver: the profile's figure stands
+        return None
+    return shared if shared > 0 else None
 
 
 def _cuda_bandwidth_gbps(props) -> float | None:

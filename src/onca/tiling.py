@@ -445,6 +445,13 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m,
     def acc_ok(bm, bn):
         return profile.kind != "cuda" or accumulators * bm * bn <= max_acc_elements
 
+    def shared_ok(bm, bn, bk, stages):
+        # Triton's pipeline keeps stages - 1 operand tiles of each side in shared memory (an H200
+        # asked 294912 bytes for four stages of 98304: the launch refuses more than the device has).
+        if profile.kind != "cuda" or not profile.shared_bytes:
+            return True
+        return (bm * bk + accumulators * bn * bk) * itemsize * max(1, stages - 1) <= profile.shared_bytes
+
     # The accumulators first: their size does not depend on the k step, so only the output tile
     # shrinks for them.
     while not acc_ok(bm, bn):
@@ -455,7 +462,7 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m,
         else:
             raise TilingError(f"{accumulators} fp32 accumulator(s) of {bm} x {bn} exceed max_acc_elements "
                               f"({max_acc_elements})")
-    while cost(bm, bn, bk) > profile.onchip_bytes:
+    while cost(bm, bn, bk) > profile.onchip_bytes or not shared_ok(bm, bn, bk, stages):
         if bk > _MIN_DOT and bk >= max(bn, bm if block_m is None else 0) // 2:
             bk //= 2
         elif bn > _MIN_DOT and (block_m is not None or bn >= bm):
@@ -471,6 +478,8 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m,
                 f"the smallest matmul tiles ({bm} x {bn}, k step {bk}, {accumulators} accumulator(s)) "
                 f"need {cost(bm, bn, bk)} bytes, more than the {profile.onchip_bytes}-byte on-chip "
                 f"budget of profile {profile.name!r}"
+                + ("" if shared_ok(bm, bn, bk, stages)
+                   else f" (or its {profile.shared_bytes} bytes of shared memory)")
             )
     warps = 8 if profile.kind == "cuda" and accumulators * bm * bn >= 128 * 128 else 4
     if profile.kind == "cuda" and num_warps is not None:

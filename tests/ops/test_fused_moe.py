@@ -205,11 +205,6 @@ def test_plan_covers_the_kernels(profile):
         assert getattr(p, "tile_bytes", 0) <= p.onchip_bytes
 
 
-# The shared memory one H100/H200 program may hold (227 KB); each pipeline stage holds both
-# operand tiles.
-_GPU_SHARED_BYTES = 232448
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_plans_take_the_wide_tiles_within_shared_memory(dtype):
     """On an H200 the 2-byte GEMMs take ``GPU_GEMM_TILES`` (128 x 256, four stages; the gated up
@@ -227,7 +222,8 @@ def test_gpu_plans_take_the_wide_tiles_within_shared_memory(dtype):
         for name, p in plans.items():
             if hasattr(p, "block_k"):
                 operands = (p.block_m * p.block_k + p.accumulators * p.block_n * p.block_k) * itemsize
-                assert operands * p.num_stages <= _GPU_SHARED_BYTES, (name, p.describe())
+                # Every stage counted (Triton keeps one fewer): a margin over the launch's check.
+                assert operands * p.num_stages <= PROFILES["h200"].shared_bytes, (name, p.describe())
 
 
 def test_bad_input(device):

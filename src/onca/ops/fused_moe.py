@@ -403,8 +403,9 @@ def _gemm_plan(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, profile: D
                **options) -> MatmulPlan:
     """``plan_matmul`` for one of the op's grouped GEMMs (a key of ``GPU_GEMM_TILES``)."""
     profile = profile or get_profile()
-    # fp32 operands keep the planner's defaults: the wide tiles' stages of fp32 operands exceed the
-    # 227 KB of shared memory an H100/H200 program may hold (294912 bytes asked on an H200).
+    # fp32 operands keep the planner's defaults, as timed: the wide tiles' stages of fp32 operands
+    # exceed the 227 KB of shared memory an H100/H200 program may hold (294912 bytes asked on an
+    # H200), and the tiles the planner would shrink them to were never measured.
     wide = profile.kind == "cuda" and torch.empty((), dtype=dtype).element_size() <= 2
     limits = GPU_GEMM_TILES[gemm] if wide else {}
     return plan_matmul(m, n, k, dtype, profile, **limits, **options)
