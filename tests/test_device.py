@@ -112,6 +112,8 @@ def test_shared_memory_comes_from_triton_driver_or_the_table(monkeypatch):
     monkeypatch.setattr(driver, "_active", props({}), raising=False)
     assert d._cuda_shared_bytes() is None
     assert d.PROFILES["h200"].shared_bytes == 232448 and d.PROFILES["ascend910b4"].shared_bytes == 0
+    assert "(232448 of them shared memory)" in d.PROFILES["h200"].describe()
+    assert "shared" not in d.PROFILES["ascend910b4"].describe()
     with pytest.raises(ValueError, match="shared_bytes must be a non-negative int"):
         d.DeviceProfile("cuda", "x", 1, 1024, False, 0.0, shared_bytes=-1)
 

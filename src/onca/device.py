@@ -87,9 +87,10 @@ class DeviceProfile:
         if self.warps_per_unit:
             mode += f" ({self.warps_per_unit} warps per unit when persistent)"
         bw = f"{self.peak_gbps:.0f} GB/s" if self.peak_gbps else "n/a"
+        shared = f" ({self.shared_bytes} of them shared memory)" if self.shared_bytes else ""
         return (
             f"{self.name} ({self.kind}): {self.compute_units} compute units, "
-            f"{self.onchip_bytes} on-chip bytes per program, {self.align_bytes}-byte alignment, "
+            f"{self.onchip_bytes} on-chip bytes per program{shared}, {self.align_bytes}-byte alignment, "
             f"{mode} grids, peak bandwidth {bw}"
         )
 
