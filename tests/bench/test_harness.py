@@ -690,7 +690,8 @@ def test_two_sweeps_over_one_x_name_stay_apart(tmp_path, monkeypatch):
     assert {(r["x_label"], r["x_value"]) for r in rows if r["kernel_provider"] == "onca"
             and r["metric_name"] == "speed" and r["kernel_operation_mode"] == "full"} == expected
     text = report.table(run, "speed")
-    assert f"toy · d1 over {small} · full · speed" in text and f"toy · d1 over {wide} · full · speed" in text
+    assert f"toy · d1 over {small} · full · speed" in text
+    assert f"toy · d1 over {wide} · full · speed" in text
     assert " of 4 points" in report.below_peers(rows).splitlines()[0]
     names = {p.rsplit("/", 1)[-1] for p in plot.plot_csv(str(data / "results.csv"), str(tmp_path / "plots"),
                                                             include_cpu=True) if p.endswith("-speed.png")}
