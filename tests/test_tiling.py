@@ -250,8 +250,10 @@ def test_matmul_accumulator_limit_shrinks_the_output_tile_not_the_k_step():
     default = plan_matmul(2048, 14336, 4096, torch.bfloat16, ascend, max_block_n=256)
     assert plan_matmul(2048, 14336, 4096, torch.bfloat16, ascend, max_block_n=256,
                        max_acc_elements=256, num_stages=4) == default
-    with pytest.raises(TilingError, match="max_acc_elements must be at least 256 and num_stages"):
+    with pytest.raises(TilingError, match="num_stages must be at least 1, got 0"):
         plan_matmul(64, 64, 64, torch.bfloat16, h200, num_stages=0)
+    with pytest.raises(TilingError, match="max_acc_elements must be at least 256, got 8"):
+        plan_matmul(64, 64, 64, torch.bfloat16, h200, max_acc_elements=8)
     too_many = r"2 fp32 accumulator\(s\) of 16 x 16 exceed max_acc_elements \(256\)"
     with pytest.raises(TilingError, match=too_many):
         plan_matmul(64, 64, 64, torch.bfloat16, h200, accumulators=2, max_acc_elements=256)

@@ -407,9 +407,10 @@ def plan_matmul(
     Each side starts at the largest tile (128 x 128, k step 64, or the caller's ``max_block_n`` /
     ``max_block_k`` where its kernel measured faster so), no larger than the problem needs (and
     never below 16, ``tl.dot``'s minimum); the largest side is halved until the operand tiles (times
-    the pipeline's stages) and the fp32 tiles fit the profile's on-chip budget, and at the smallest
-    tiles the pipeline loses stages. ``num_warps`` overrides the GPU's warp count (measured best for
-    a kernel); other profiles keep theirs. ``max_acc_elements`` (one program's fp32 accumulator
+    the pipeline's stages) and the fp32 tiles fit the profile's on-chip budget (and, on a GPU, the
+    pipelined operand tiles its shared memory), and at the smallest tiles the pipeline loses
+    stages. ``num_warps`` overrides the GPU's warp count (measured best for a kernel); other
+    profiles keep theirs. ``max_acc_elements`` (one program's fp32 accumulator
     elements, all accumulators together) and ``num_stages`` (the pipeline's depth) are the GPU's
     register and pipelining limits, raised by a kernel whose larger tiles measured faster; the
     other profiles, bounded by their on-chip budget alone, ignore them.
@@ -433,9 +434,10 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m,
     side = lambda size, largest: max(_MIN_DOT, min(largest, next_power_of_2(max(1, size))))  # noqa: E731
     bm = block_m if block_m is not None else side(m, _MAX_DOT_M)
     bn, bk = side(n, max_block_n), side(k, max_block_k)
-    if max_acc_elements < _MIN_DOT * _MIN_DOT or num_stages < 1:
-        raise TilingError(f"max_acc_elements must be at least {_MIN_DOT * _MIN_DOT} and num_stages at "
-                          f"least 1, got {max_acc_elements} and {num_stages}")
+    if max_acc_elements < _MIN_DOT * _MIN_DOT:
+        raise TilingError(f"max_acc_elements must be at least {_MIN_DOT * _MIN_DOT}, got {max_acc_elements}")
+    if num_stages < 1:
+        raise TilingError(f"num_stages must be at least 1, got {num_stages}")
     stages = num_stages if profile.kind == "cuda" else 1
     fp32_tiles = accumulators + epilogue_tiles
 

@@ -75,11 +75,11 @@ COMBINE_TILES = dict(live_tiles=2, fp32_tiles=2)
 # Each grouped GEMM's largest tile on a GPU (``plan_matmul``'s GPU limits: the widest column tile,
 # the fp32 accumulator elements of one program, the pipeline's stages); the planner shrinks them to
 # the problem and the budget, for 2-byte operands (fp32 keeps the planner's defaults). Other
-# profiles are bounded by their on-chip budget alone. Measured on
-# an H200 (device time, forward + backward, bf16, 2026-12-01): 128 x 256 output tiles (two 128 x 128
-# accumulators for the gated up GEMM) with four stages against 128 x 128 (128 x 64) with three,
-# 1.20x-1.25x at the Mixtral 8x7B, Qwen3-30B-A3B and GPT-OSS-20B expert shapes. The down GEMM's
-# backward keeps 128 x 128: its epilogue holds four more fp32 tiles.
+# profiles are bounded by their on-chip budget alone. Measured on an H200 (device time, forward +
+# backward, bf16, 2026-12-01): 128 x 256 output tiles (two 128 x 128 accumulators for the gated up
+# GEMM) with four stages against 128 x 128 (128 x 64) with three, 1.20x-1.25x at the Mixtral 8x7B,
+# Qwen3-30B-A3B and GPT-OSS-20B expert shapes. The down GEMM's backward keeps 128 x 128: its
+# epilogue holds four more fp32 tiles.
 GPU_GEMM_TILES = {
     "up": dict(max_block_n=128, max_acc_elements=2 * 128 * 128, num_stages=4),
     "down": dict(max_block_n=256, max_acc_elements=128 * 256, num_stages=4),
@@ -406,7 +406,7 @@ def _gemm_plan(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, profile: D
     # fp32 operands keep the planner's defaults, as timed: the wide tiles' stages of fp32 operands
     # exceed the 227 KB of shared memory an H100/H200 program may hold (294912 bytes asked on an
     # H200), and the tiles the planner would shrink them to were never measured.
-    wide = profile.kind == "cuda" and torch.empty((), dtype=dtype).element_size() <= 2
+    wide = profile.kind == "cuda" and dtype.itemsize <= 2
     limits = GPU_GEMM_TILES[gemm] if wide else {}
     return plan_matmul(m, n, k, dtype, profile, **limits, **options)
 
