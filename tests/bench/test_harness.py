@@ -615,7 +615,7 @@ def test_trl_peer_of_the_fused_head_benchmark(device):
                                 cpu_reps=1, max_points=1)
     new = harness.Harness(settings, progress=False).run(bench, bench.sweep("d1")[:1])
     assert {p.status for r in new if r.metric_name == "speed" for p in r.points} == {"ok"}
-    assert {r.kernel_provider for r in new} == {"onca", "trl"}
+    assert {r.kernel_provider for r in new} == {"onca", "trl", "gemm_limit"}  # the peers run beside onca
 
 
 def _run_record(provider, xs, ms, metric="speed", timestamp="2026-03-01T00:00:00+00:00", x_name="n"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from onca.bench.ops._gemm_limit import head_gemm_bytes, head_gemm_limit
 from onca.bench.spec import OpBenchmark, d1, d2, itemsize
 
 SEQUENCES = 8  # 2B
@@ -63,6 +64,8 @@ def memory(uses_ref: bool):
             extra = grads + 2 * chunk * v * b + 8 * tokens * 4
         elif provider == "liger":
             extra = grads + 4 * v * h + 8 * 2 * t * v * 4  # chunks of one pair of sequences, fp32 temporaries
+        elif provider == "gemm_limit":
+            extra = grads + head_gemm_bytes(tokens, v, b, 1 if uses_ref else 0)
         else:  # logits in the dtype, fp32 copies, log-softmax and its gradient
             extra = grads + tokens * v * (b + 3 * 4) * (1 if mode == "forward" else 2)
         return inputs + extra
@@ -78,6 +81,8 @@ def benchmark(name, onca, reference, liger, *, uses_ref: bool, config: str) -> O
         onca=onca,
         reference=reference,
         liger=liger,
+        # The head matmuls alone (the policy's three, the reference model's logits): the limit row.
+        peers={"gemm_limit": head_gemm_limit(("hidden", "weight"), ("ref_hidden", "ref_weight") if uses_ref else ())},
         sweeps=(
             d1("seq", [256, 512, 1024, 2048], fixed, f"positions per sequence ({SEQUENCES} sequences, hidden "
                f"{HIDDEN}, vocab {VOCAB})"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from onca.bench.ops._gemm_limit import head_gemm_bytes, head_gemm_limit
 from onca.bench.spec import OpBenchmark, d1, d2, itemsize
 
 TOKENS = 8192
@@ -94,25 +95,7 @@ def cut_cross_entropy(p, inputs):
                                         ignore_index=-100, reduction="mean")
 
 
-class _ThreeGemms(torch.autograd.Function):
-    """The three matmuls any fused linear cross entropy must do, and nothing else: the logits
-    (forward), then dHidden and dWeight from a logits-sized gradient (backward). A speed limit,
-    not an implementation: it holds the whole logits."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight):
-        logits = hidden @ weight.t()
-        ctx.save_for_backward(hidden, weight, logits)
-        return hidden.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, logits = ctx.saved_tensors
-        return logits @ weight, logits.t() @ hidden
-
-
-def gemm_limit(p, inputs):
-    return lambda: _ThreeGemms.apply(inputs["hidden"], inputs["weight"])
+gemm_limit = head_gemm_limit(("hidden", "weight"))
 
 
 def flops(p, mode):
@@ -144,7 +127,7 @@ def memory_estimate(p, dtype, provider, mode):
     elif provider == "cut_cross_entropy":
         extra = 16 * t  # per-token statistics; the logits live only on chip
     elif provider == "gemm_limit":
-        extra = t * v * b  # the whole logits, saved for the two backward matmuls
+        extra = head_gemm_bytes(t, v, b)
     elif provider == "torch":
         # logits in the input dtype, their fp32 upcast and log-softmax; backward: fp32 gradients
         # of both and the logits' gradient in the input dtype.

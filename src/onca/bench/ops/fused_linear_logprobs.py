@@ -25,6 +25,7 @@ import types
 
 import torch
 
+from onca.bench.ops._gemm_limit import head_gemm_bytes, head_gemm_limit
 from onca.bench.spec import OpBenchmark, d1, d2, itemsize
 
 TOKENS = 16384
@@ -137,6 +138,8 @@ def memory(p, dtype, provider, mode):
     elif provider == "trl":
         tile = min(t, TRL_TOKEN_TILE) * min(v, TRL_VOCAB_TILE) * b
         extra = tile + (0 if mode == "forward" else 4 * (t * h + v * h))
+    elif provider == "gemm_limit":
+        extra = head_gemm_bytes(t, v, b)
     else:  # the logits in the dtype, an fp32 copy, the log-softmax, and their gradients
         extra = t * v * (b + 2 * 4) * (1 if mode == "forward" else 2)
     return inputs + grads + stats + extra
@@ -147,7 +150,8 @@ BENCHMARK = OpBenchmark(
     make_inputs=make_inputs,
     onca=onca,
     reference=reference,
-    peers={"trl": trl},
+    # TRL's kernel as a peer; the head's three matmuls alone as the limit row.
+    peers={"trl": trl, "gemm_limit": head_gemm_limit(("hidden", "weight"))},
     sweeps=(
         d1("tokens", [2048, 4096, 8192, 16384, 32768], {**QWEN3_06B, "outputs": "sft"},
            "scored tokens (Qwen3-0.6B's head, 1024 x 151936; SFT's outputs)"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from onca.bench.ops._gemm_limit import head_gemm_bytes, head_gemm_limit
 from onca.bench.spec import OpBenchmark, d1, d2, itemsize
 
 TOKENS = 8192
@@ -81,6 +82,8 @@ def memory_estimate(p, dtype, provider, mode):
     elif provider == "liger":
         # its fallback: 512-token chunks of fp32 logits, probabilities and log-probabilities
         extra = min(t, 512) * v * 16 + 16 * t
+    elif provider == "gemm_limit":
+        extra = head_gemm_bytes(t, v, b)
     elif provider == "torch":
         # logits, their scaled copy and fp32 upcast, log-softmax and its exponential; backward: fp32
         # gradients of those and the logits' gradient in the input dtype
@@ -96,6 +99,7 @@ BENCHMARK = OpBenchmark(
     onca=onca,
     reference=reference,
     liger=liger,
+    peers={"gemm_limit": head_gemm_limit(("hidden", "weight"))},  # the head's three matmuls alone
     sweeps=(
         d1("tokens", [2048, 4096, 8192, 16384], {"hidden": HIDDEN, "vocab": VOCAB},
            "tokens (hidden 4096, vocab 128256)"),
