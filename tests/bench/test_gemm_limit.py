@@ -10,14 +10,15 @@ from onca.bench.ops._gemm_limit import HeadGemms
 from onca.bench.spec import build
 
 HEADS = ("fused_linear_cross_entropy", "fused_linear_logprobs", "fused_linear_scaled_cross_entropy",
-         "fused_linear_dpo", "fused_linear_simpo", "fused_linear_orpo", "fused_linear_cpo", "fused_linear_kto",
-         "fused_linear_grpo", "fused_linear_distill")
+         "fused_linear_dpo", "fused_linear_simpo", "fused_linear_orpo", "fused_linear_cpo",
+         "fused_linear_kto", "fused_linear_grpo", "fused_linear_distill", "fused_linear_jsd")
 
 
 def test_head_gemms_backward_is_the_logits_through_the_two_gradient_matmuls():
     hidden = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
-    frozen_hidden, frozen_weight = torch.randn(6, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    frozen_hidden = torch.randn(6, 8, dtype=torch.float64)
+    frozen_weight = torch.randn(5, 8, dtype=torch.float64)
     HeadGemms.apply(hidden, weight, frozen_hidden, frozen_weight).backward()
     rows = hidden.detach().reshape(6, 8)
     logits = rows @ weight.detach().t()

@@ -82,7 +82,8 @@ def benchmark(name, onca, reference, liger, *, uses_ref: bool, config: str) -> O
         reference=reference,
         liger=liger,
         # The head matmuls alone (the policy's three, the reference model's logits): the limit row.
-        peers={"gemm_limit": head_gemm_limit(("hidden", "weight"), ("ref_hidden", "ref_weight") if uses_ref else ())},
+        peers={"gemm_limit": head_gemm_limit(("hidden", "weight"),
+                                             ("ref_hidden", "ref_weight") if uses_ref else ())},
         sweeps=(
             d1("seq", [256, 512, 1024, 2048], fixed, f"positions per sequence ({SEQUENCES} sequences, hidden "
                f"{HIDDEN}, vocab {VOCAB})"),

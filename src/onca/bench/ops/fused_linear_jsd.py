@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from onca.bench.ops.jsd import torch_jsd
+from onca.bench.ops._gemm_limit import head_gemm_bytes, head_gemm_limit
 from onca.bench.spec import OpBenchmark, d1, d2, itemsize
 
 TOKENS = 8192
@@ -81,6 +82,8 @@ def memory_estimate(p, dtype, provider, mode):
         # chunks of about tokens * hidden / vocab rows; ~7 fp32 (chunk, V) buffers; fp32 dW.
         chunk = min(t, max(1, t * h // v))
         extra = grads + 4 * v * h + 7 * chunk * v * 4
+    elif provider == "gemm_limit":
+        extra = grads + head_gemm_bytes(t, v, b, 1)
     elif provider == "torch":  # both logits in the dtype and fp32, log-softmaxes, the JSD's fp32 terms
         extra = {"forward": 14, "backward": 16, "full": 16}[mode] * 4 * t * v + grads
     else:
@@ -94,6 +97,9 @@ BENCHMARK = OpBenchmark(
     onca=onca,
     reference=reference,
     liger=liger,
+    # The student's three matmuls and the teacher's logits alone: the limit row.
+    peers={"gemm_limit": head_gemm_limit(("student_hidden", "student_weight"),
+                                         ("teacher_hidden", "teacher_weight"))},
     sweeps=(
         d1("tokens", [1024, 4096, 8192, 16384], {"hidden": HIDDEN, "vocab": VOCAB},
            f"tokens (hidden {HIDDEN}, vocab {VOCAB})"),
