@@ -95,3 +95,21 @@ def test_a_variant_of_an_op_that_caches_no_launch_configurations_is_not_judged(t
     assert any(line.startswith("probe v: ") for line in lines)
     assert any("not checked" in line for line in lines), lines
     assert not any("did not reach the launches" in line for line in lines), lines
+
+
+def test_a_constant_variant_whose_results_differ_is_not_reported_as_timing_the_base(tmp_path, device):
+    """Distillation's ``FP32_LOGITS`` changes the logits' dtype, not a cached launch configuration:
+    its results differ from the base's, so its constant reached the computation and the variant is
+    not reported as one that times the base's code."""
+    from onca.ops import fused_linear_distill
+
+    subs = [["FP32_LOGITS = False", "FP32_LOGITS = True"]]
+    assert not kernel_variants.changes_kernels(fused_linear_distill, subs, "v")
+    bench = harness.load("fused_linear_distill")
+    variant = kernel_variants.variant_names(fused_linear_distill, subs, "v", str(tmp_path))
+    lines = []
+    kernel_variants.time_points(bench, fused_linear_distill, {"v": variant}, [("probe", bench.probe)],
+                                device=device, dtype=torch.bfloat16, rounds=1,
+                                constants_only=frozenset({"v"}), report=lines.append)
+    assert any(line.startswith("probe v: max abs diff") for line in lines), lines
+    assert not any("did not reach the launches" in line for line in lines), lines

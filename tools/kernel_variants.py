@@ -200,8 +200,9 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
     """``{x: {name: ms}}`` for the base, every variant and every peer, at each ``(x, params)``;
     ``device_time`` (GPU only): each call replayed from a CUDA graph instead of timed as called.
     A variant named in ``constants_only`` (its substitutions change no kernel) that launches with
-    the base's configurations is reported: its constants did not reach the launches (a constant
-    read once at import, or one that changes nothing at this point), so it times the base again.
+    the base's configurations and gives the base's results bitwise is reported: its constants did
+    not reach the launches (a constant read once at import, or one that changes nothing at this
+    point), so it times the base again.
     Where the op's launchers cache no configurations (they plan at each call: fused MoE's grouped
     GEMMs), there is nothing to compare, and the report says it was not checked."""
     on_gpu = torch.device(device).type == "cuda"
@@ -213,11 +214,14 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
             base_launches = _launch_configurations()
         for name, names in variants.items():
             with swapped(module, names):
-                report(f"{x} {name}: {compare(base, _result(bench, params, device, dtype, mode))}")
-                if name in constants_only and not base_launches:
+                outcome = compare(base, _result(bench, params, device, dtype, mode))
+                report(f"{x} {name}: {outcome}")
+                # Results that differ from the base's: the constants reached the computation.
+                same_results = outcome == "bitwise equal" and name in constants_only
+                if same_results and not base_launches:
                     report(f"{x} {name}: not checked whether its constants reach the launches (the op's "
                            "launchers cache no launch configurations)")
-                elif name in constants_only and _launch_configurations() == base_launches:
+                elif same_results and _launch_configurations() == base_launches:
                     report(f"{x} {name}: launched with the base's configurations: its constants did not "
                            "reach the launches (the variant times the base's code)")
         inputs = bench.make_inputs(params, dtype, device)

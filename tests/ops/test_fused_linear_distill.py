@@ -20,8 +20,9 @@ def reference(sh, sw, sb, th, tw, labels, divergence, beta, temperature, w_hard,
     b64 = sb.detach().double().requires_grad_(True) if sb is not None else None
     s = h64 @ w64.T + (b64 if b64 is not None else 0)
     t = th.double() @ tw.double().T
-    if sh.dtype != torch.float32:  # the fp32 logits of bf16 operands: exact products, no rounding
-        s, t = rounded(s, torch.float32), rounded(t, torch.float32)
+    if sh.dtype != torch.float32:  # the logits rounded as the eager heads round them (fp32 for cosine)
+        logits_dtype = torch.float32 if divergence == "cosine" else sh.dtype
+        s, t = rounded(s, logits_dtype), rounded(t, logits_dtype)
     valid = (labels != IGNORE).double() if labels is not None else torch.ones(s.shape[0], dtype=torch.float64, device=s.device)
     lq, lp = torch.log_softmax(s / temperature, -1), torch.log_softmax(t / temperature, -1)
     if divergence == "forward_kl":
@@ -94,8 +95,8 @@ def test_divergences(device, divergence):
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_bf16_gradient_over_dead_buffers(device, divergence, poisoned_empty):
     """bf16 without the hard-label term: the divergence kernel writes the bf16 gradient over the
-    student's fp32 logits (cosine: copied over the teacher's); several chunks, every fresh buffer
-    NaN (the weight gradient is written by the first chunk, not zero-filled)."""
+    student's bf16 logits (cosine: over its fp32 logits, copied over the teacher's); several chunks,
+    every fresh buffer NaN (the weight gradient is written by the first chunk, not zero-filled)."""
     check(torch.bfloat16, device, divergence, w_hard=0.0, w_soft=1.0, shape=(21, 8, 8, 97))
 
 

@@ -21,16 +21,17 @@ labels), as liger-kernel's ``LigerFusedLinearDistillationBase`` mixes them (its 
 It runs on the chunk driver (:func:`onca.ops._chunked_head.chunk_loop`) in its gradient-in-forward
 mode: the loss's gradient w.r.t. each token's logits is known in forward (each token's term only
 depends on its own row, the mean's count is counted on the device first), so per chunk the
-student's and teacher's logits are computed in fp32 (two ``(chunk, V)`` fp32 buffers, a third for
-the hard-label gradient when it is mixed in), the divergence kernel writes the gradient over the
-student's logits, and the driver's matmuls accumulate ``dStudentHidden``, ``dStudentWeight`` and
-``dStudentBias`` (fp32). Backward multiplies them by the incoming gradient. The teacher gets no
+student's and teacher's logits are computed in the input dtype, as the eager computation rounds them
+(two ``(chunk, V)`` buffers; fp32 products for the cosine divergence, see :data:`FP32_LOGITS`; an fp32
+one more for the hard-label gradient when it is mixed in), the divergence kernel writes the gradient
+over the student's logits, and the driver's matmuls accumulate ``dStudentHidden``, ``dStudentWeight``
+and ``dStudentBias`` (fp32). Backward multiplies them by the incoming gradient. The teacher gets no
 gradient.
 
 A small call (both heads' logits within :func:`onca.ops._small_calls.limit` elements, eager, on
 CUDA; under autocast too, the inputs cast first) takes torch's ops instead: each head's logits by
 one GEMM in the input dtype, the divergence and the hard-label loss in fp32, autograd for the
-gradient (the kernels' values to rounding: their logits are fp32 products of the same operands).
+gradient (the kernels' values to rounding: their logits are the same products).
 """
 
 from __future__ import annotations
@@ -65,15 +66,29 @@ from onca.tiling import ChunkPlan, plan_token_chunks
 __all__ = ["DIVERGENCES", "chunk_plan", "fused_linear_distill", "plan"]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "cosine")
-# Tokens per chunk aimed at (the head matmuls read the weights once per chunk), and the share of the
-# free memory the fp32 scratch may take.
-CHUNK_TOKENS = 1024
+# Tokens per chunk aimed at (the head matmuls read the weights once per chunk, and the weight gradient
+# is read and written once per chunk), and the share of the free memory the scratch may take.
+CHUNK_TOKENS = 2048
 FREE_FRACTION = 0.25
+# Whether the heads' logits are fp32 products for every divergence. False: in the input dtype, as the
+# eager computation rounds them before its fp32 log-softmax (liger-kernel's too), except for the
+# cosine divergence, whose norms are torch's ops on the logits; the hard-label gradient stays fp32.
+# H200, bf16, forward KL, forward + backward (CUDA-graph replay, tools/kernel_variants.py), ms, at
+# the benchmark's D2 heads (8192 tokens): 2048-token chunks of bf16 logits (the same scratch as
+# 1024 tokens of fp32 ones) against 1024 of fp32: Llama-3-8B 53.54 / 57.49, Llama-3.2-1B 28.46 /
+# 31.86, Qwen2.5-7B 57.69 / 62.31, Mistral-7B 13.83 / 14.78, Phi-3-mini 10.61 / 11.57.
+FP32_LOGITS = False
 
 
-def chunk_plan(tokens: int, vocab: int, buffers: int = 2, chunk_tokens: int | None = None, device=None) -> ChunkPlan:
-    """Tokens per chunk: ``buffers`` fp32 rows of logits per token are the scratch."""
-    bytes_per_token = buffers * vocab * 4
+def logits_dtype(dtype: torch.dtype, divergence: str) -> torch.dtype:
+    """The dtype the chunks' logits are computed in, for inputs of ``dtype``."""
+    return torch.float32 if FP32_LOGITS or divergence == "cosine" else dtype
+
+
+def chunk_plan(tokens: int, vocab: int, buffers: int = 2, chunk_tokens: int | None = None, device=None,
+               itemsize: int = 4) -> ChunkPlan:
+    """Tokens per chunk: ``buffers`` rows of logits per token of ``itemsize`` bytes are the scratch."""
+    bytes_per_token = buffers * vocab * itemsize
     if chunk_tokens:
         return plan_token_chunks(tokens, bytes_per_token, chunk_tokens * bytes_per_token, multiple=1)
     budget = min(int(free_memory(device) * FREE_FRACTION), CHUNK_TOKENS * bytes_per_token)
@@ -86,8 +101,9 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
     if len(shape) != 3:
         raise ValueError(f"fused_linear_distill plans take shape (tokens, hidden, vocab), got {shape}")
     tokens, _hidden, vocab = shape
-    chunks = chunk_plan(tokens, vocab, device=accelerator())
-    return {"chunks": chunks, "divergence": plan_divergence(chunks.chunk, vocab, torch.float32, True, profile)}
+    dtype = logits_dtype(dtype, "forward_kl")
+    chunks = chunk_plan(tokens, vocab, device=accelerator(), itemsize=dtype.itemsize)
+    return {"chunks": chunks, "divergence": plan_divergence(chunks.chunk, vocab, dtype, True, profile)}
 
 
 def _cosine_rows(s: Tensor, t: Tensor, valid: Tensor | None, scale: Tensor, row_loss: Tensor) -> None:
@@ -136,8 +152,11 @@ def fused_linear_distill_forward(
     db = torch.zeros(sb.shape, dtype=torch.float32, device=device) if grad_bias else None
     hard = weight_hard_loss != 0.0
     if tokens:
-        chunks = chunk_plan(tokens, vocab, 3 if hard and with_grad else 2, chunk_tokens, device)
-        t_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device)
+        z_dtype = logits_dtype(sw.dtype, divergence)
+        # The two heads' logits, and the hard-label gradient's fp32 rows (counted as two of them).
+        buffers = 2 + (2 * 4 // z_dtype.itemsize if hard and with_grad else 0)
+        chunks = chunk_plan(tokens, vocab, buffers, chunk_tokens, device, itemsize=z_dtype.itemsize)
+        t_buf = torch.empty((chunks.chunk, vocab), dtype=z_dtype, device=device)
         h_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device) if hard and with_grad else None
         soft_scale = inv * weight_soft_loss
         hard_scale = inv * weight_hard_loss
@@ -154,8 +173,9 @@ def fused_linear_distill_forward(
                                    z=z_rows[:n], grad=h_buf[:n] if with_grad else None,
                                    scale=hard_scale.reshape(()) if with_grad else None)
             # The gradient in the weight's dtype, with no buffer of its own: written by the divergence
-            # kernel over the student's fp32 logits (gradient_view) when it is the whole gradient,
-            # else summed in fp32 over them and copied over the teacher's logits, dead by then.
+            # kernel over the student's logits (gradient_view: the first half of an fp32 row's bytes)
+            # when it is the whole gradient, else summed over them and, from fp32 logits, copied over
+            # the teacher's, dead by then.
             direct = with_grad and not hard and divergence != "cosine"
             if divergence == "cosine":
                 _cosine_rows(s, t, valid[start:end] if valid is not None else None,
@@ -171,9 +191,9 @@ def fused_linear_distill_forward(
                 return dz
             if hard:
                 s += h_buf[:n]
-            return s if sw.dtype == torch.float32 else gradient_view(t, sw.dtype).copy_(s)
+            return s if s.dtype == sw.dtype else gradient_view(t, sw.dtype).copy_(s)
 
-        chunk_loop(sh, sw, sb, chunks, visit, dx=dx, dw=dw, db=db, logits_dtype=torch.float32)
+        chunk_loop(sh, sw, sb, chunks, visit, dx=dx, dw=dw, db=db, logits_dtype=z_dtype)
     else:
         for t in (dx, dw):
             if t is not None:
