@@ -174,6 +174,26 @@ def test_overwrite_inputs(device, case):
     assert torch.equal(q2.grad, q1.grad) and torch.equal(k2.grad, k1.grad)
 
 
+def test_no_write_past_the_last_pair(device):
+    """A half width that is not a power of two (12 pairs in a 16-pair tile): the rotation writes no
+    column past the last pair. q, k and the incoming gradients are rotated in their own storage,
+    each the first rows of a larger buffer whose last row is a guard that must keep its value."""
+    b, s, hq, hk, d = 2, 3, 5, 2, 24
+    _, _, freqs_cis = make((b, s, hq, hk, d), torch.bfloat16, device)
+
+    def guarded(heads):
+        buffer = torch.full((b + 1, s, heads, d), 7.0, dtype=torch.bfloat16, device=device)
+        buffer[:b] = randn(b, s, heads, d, dtype=torch.bfloat16, device=device)
+        return buffer, buffer[:b]
+
+    (bq, q), (bk, k) = guarded(hq), guarded(hk)
+    qe, ke = llama4_rope(leaf(q), leaf(k), freqs_cis, overwrite_inputs=True, overwrite_grad_output=True)
+    (gq_buffer, gq), (gk_buffer, gk) = guarded(hq), guarded(hk)
+    torch.autograd.backward((qe, ke), (gq, gk))
+    for buffer in (bq, bk, gq_buffer, gk_buffer):
+        assert torch.all(buffer[b] == 7.0)
+
+
 def test_empty_input(device):
     q, k, freqs_cis = make((2, 0, 3, 1, 16), torch.bfloat16, device)
     q1, k1 = leaf(q), leaf(k)
