@@ -103,6 +103,15 @@ def test_wide_rows_on_every_profile(monkeypatch, device, name):
         onca_device.reset()
 
 
+def test_gpu_one_pass_backward_of_a_16384_column_row(gpu_profile, device):
+    """The H200 plan's one-pass backward tile of 16384 columns, which reloads the weight per row
+    block instead of holding it across the loop (as beside the residual gradient)."""
+    backward = op.plan((3, 16384), torch.bfloat16)["backward"]
+    assert backward.col_tiles == 1 and backward.block_cols >= 16384, backward
+    x = randn(3, 16384, dtype=torch.bfloat16, device=device)
+    check(x, randn(16384, dtype=torch.bfloat16, device=device) + 1.0, casting="gemma", offset=0.5)
+
+
 @pytest.mark.parametrize("casting", CASTINGS)
 @pytest.mark.parametrize("tiled", [False, True], ids=["single-pass", "column-tiled"])
 def test_without_weight_matches_torch(device, onchip_bytes, casting, tiled):
