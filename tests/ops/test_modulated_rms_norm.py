@@ -124,8 +124,9 @@ def test_column_tiled_path(profile, device, onchip_bytes, layout):
 
 def test_gpu_backward_plan(device, monkeypatch):
     """On a GPU profile, rows up to ``GPU_BACKWARD_TILE`` wide take backward tiles of that many
-    elements, two programs per compute unit (measured faster on an H100); wider rows keep the
-    planner's tile; a GPU profile's plans compute the same gradients (under the interpreter here)."""
+    elements, two programs per compute unit (measured faster on an H100); wider rows column tiles
+    of at most ``GPU_WIDE_BACKWARD_COLS``, launched under a register cap; a GPU profile's plans compute
+    the same gradients (under the interpreter here)."""
     from onca import device as onca_device
     from onca.tiling import plan_rows
 
@@ -135,7 +136,8 @@ def test_gpu_backward_plan(device, monkeypatch):
     assert tile == (op.GPU_BACKWARD_TILE, 8, 2 * h100.compute_units)
     wide = op._backward_plan(16384, 16384, torch.bfloat16, 4, h100)
     assert wide == plan_rows(16384, 16384, torch.bfloat16, profile=h100, persistent=True, max_block_rows=4096,
-                             **op.BACKWARD_TILES)
+                             **dict(op.BACKWARD_TILES, max_block_cols=op.GPU_WIDE_BACKWARD_COLS))
+    assert wide.col_tiles > 1 and wide.block_cols <= op.GPU_WIDE_BACKWARD_COLS
     ascend = onca_device.profile_named("ascend910b4")
     assert op._backward_plan(64, 96, torch.float32, 2, ascend) == plan_rows(
         64, 96, torch.float32, profile=ascend, persistent=True, max_block_rows=32, **op.BACKWARD_TILES)
@@ -146,6 +148,7 @@ def test_gpu_backward_plan(device, monkeypatch):
         p = op._backward_plan(3000, 64, torch.float32, 3)
         assert (p.block_rows, -(-p.row_blocks // p.grid)) == (8, 2) and (1000 // 8) % 2 == 1
         check(*make((3, 1000, 64), torch.float32, device))
+        check(*make((2, 2, 16384), torch.bfloat16, device))  # wide rows: column tiles, the register cap
     finally:
         monkeypatch.delenv("ONCA_DEVICE_PROFILE")
         onca_device.reset()

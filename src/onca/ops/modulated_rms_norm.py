@@ -49,7 +49,10 @@ from onca.tiling import RowPlan, next_power_of_2, plan_rows
 __all__ = ["modulated_rms_norm", "plan"]
 
 # Live tiles of each kernel, counted as the planner expects: tiles in the input dtype, fp32 tiles.
-FORWARD_TILES = dict(live_tiles=5, fp32_tiles=3)  # x, w, scale, shift, y; x, scale and y in fp32
+# x, w, scale, shift, y; x, scale and y in fp32. A row wider than 8192 takes column tiles of 8192 (the
+# planner's whole-budget two-pass GPU tile): H200, bf16, fwd+bwd at 16384 x 16384, CUDA-graph replay,
+# 1.695 against 1.772 ms with the one-pass 16384-column tile (110 registers, one program per SM).
+FORWARD_TILES = dict(live_tiles=5, fp32_tiles=3, max_block_cols=8192, gpu_whole_two_pass=True)
 # x, dy, w, scale, dx; x, dy, n, r, dn, dx and the dW / dscale / dshift column sums in fp32.
 BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=8)
 # Elements of a backward tile on a GPU at most, two programs per compute unit. H100, bf16, forward +
@@ -61,6 +64,13 @@ BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=8)
 # 0.534, 4096 0.465 against 0.501, 8192 equal (0.669); liger-kernel 0.69-0.86 there. At hidden
 # 4096 the 4096-element tile spilled on sm_90 (255 registers, 224 bytes of stack); this one does not.
 GPU_BACKWARD_TILE = 8192
+# Wider rows on a GPU: column tiles of at most GPU_WIDE_BACKWARD_COLS, compiled for the registers
+# that let GPU_WIDE_BACKWARD_PROGRAMS programs share an SM (maxnreg). H200, bf16, fwd+bwd at 16384 x
+# 16384 (CUDA-graph replay): 1.594 against 1.772 ms for the planner's 4096-column tiles (255
+# registers and 336 bytes of stack, two programs per SM); the cap alone at hidden 4096 was 4x slower.
+GPU_WIDE_BACKWARD_COLS = 4096
+GPU_WIDE_BACKWARD_PROGRAMS = 4
+_GPU_REGISTERS_PER_UNIT = 65536
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -293,17 +303,34 @@ def _slot_sum_plan(mod_rows: int, cols: int, profile=None) -> RowPlan:
 
 def _backward_plan(rows: int, cols: int, dtype: torch.dtype, mod_rows: int, profile=None) -> RowPlan:
     """A persistent plan whose row blocks never straddle two modulation rows; on a GPU, rows of at
-    most ``GPU_BACKWARD_TILE`` elements take tiles of that size, two programs per compute unit."""
+    most ``GPU_BACKWARD_TILE`` elements take tiles of that size, two programs per compute unit, and
+    wider rows column tiles of at most ``GPU_WIDE_BACKWARD_COLS``."""
     rows_per_mod = rows // mod_rows
     grouped = 1 < mod_rows < rows
     # The largest power of two dividing rows_per_mod (its lowest set bit).
     cap = rows_per_mod & -rows_per_mod if grouped else None
     profile = profile or get_profile()
     gpu_rows = programs = None
-    if profile.kind == "cuda" and next_power_of_2(cols) <= GPU_BACKWARD_TILE:  # wider rows: as planned
+    tiles = BACKWARD_TILES
+    if _gpu_wide_backward(cols, profile):
+        tiles = dict(BACKWARD_TILES, max_block_cols=GPU_WIDE_BACKWARD_COLS)
+    elif profile.kind == "cuda":
         gpu_rows, programs = GPU_BACKWARD_TILE // next_power_of_2(cols), 2 * profile.compute_units
     return plan_rows(rows, cols, dtype, profile=profile, persistent=True, max_block_rows=cap,
-                     max_gpu_rows=gpu_rows, max_programs=programs, **BACKWARD_TILES)
+                     max_gpu_rows=gpu_rows, max_programs=programs, **tiles)
+
+
+def _gpu_wide_backward(cols: int, profile: DeviceProfile) -> bool:
+    """Whether a GPU backward row is wider than ``GPU_BACKWARD_TILE`` (the wide rows' tiles)."""
+    return profile.kind == "cuda" and next_power_of_2(cols) > GPU_BACKWARD_TILE
+
+
+def _backward_launch_options(cols: int, num_warps: int) -> dict:
+    """The backward's launch options: ``num_warps``, and on a GPU's wide rows the register cap."""
+    if not _gpu_wide_backward(cols, get_profile()):
+        return {"num_warps": num_warps}
+    return {"num_warps": num_warps,
+            "maxnreg": min(255, _GPU_REGISTERS_PER_UNIT // (GPU_WIDE_BACKWARD_PROGRAMS * 32 * num_warps))}
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None, *,
@@ -388,7 +415,8 @@ def modulated_rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, sc
         rows, cols, rows_per_mod, blocks_per_program,
         dy_stride, x_stride, scale_stride, cols, offset,
         HAS_WEIGHT=weight is not None, HAS_SHIFT=shift is not None, PER_ROW=per_row, CASTING=casting,
-        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
+        BLOCK_ROWS=p.block_rows, BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles,
+        **_backward_launch_options(cols, p.num_warps),
     )
     dw = empty if weight is None else sum_partials(dw_partials, weight.dtype)
     if per_row:
