@@ -18,8 +18,10 @@ exactly once), of which only the Triton functions (``@triton.jit`` and the decor
 the upper-case module constants (tile declarations, thresholds) are executed, in a copy of the
 module's namespace, from a file of their own (Triton reads a kernel's source from its file). While a
 variant is timed those names are swapped into the module, so the op's own launchers and public
-function run it; the base (the module as it is) is always timed too. Plans and launch
-configurations cached by Onca are dropped at each swap (a constant may have changed them).
+function run it (a tile dict and a ``fast_launch`` kernel in place, so that whoever holds the object
+itself runs the variant too: the row map's registered ops); the base (the module as it is) is
+always timed too. Plans and launch configurations cached by Onca are dropped at each swap (a
+constant may have changed them).
 
 Each point's inputs are made once (the benchmark's ``make_inputs``); the variants and the peers
 take turns for ``--rounds`` rounds, each keeping its fastest ``do_bench`` median (on a CPU: one
@@ -29,8 +31,9 @@ clock says nothing of the kernels), printed with the base's time over each (abov
 the base). A point small enough for Onca's small-call route runs torch's op instead of the kernels
 (reported; ``ONCA_SMALL_CALL_LIMIT=0`` turns the route off).
 Before timing, every variant's outputs and input gradients from fresh inputs are compared with the
-base's: bitwise equal, or the largest absolute difference. Names another module imported from the op's module (``from ... import
-_kernel``) keep the base's object: substitute in that module instead.
+base's: bitwise equal, or the largest absolute difference. Other names the op's module imports
+from another module (``from ... import _helper``) keep the base's object: substitute in that
+module instead.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import torch
 from onca.bench import harness
 from onca.bench.spec import build
 from onca.ops import _small_calls as small_calls
+from onca.ops._launch import FastLaunch
 
 __all__ = ["variant_names", "swapped", "compare", "time_points", "main"]
 
@@ -125,18 +129,36 @@ def _drop_cached_plans(module: types.ModuleType) -> None:
             obj.cache_clear()
 
 
+def _state(obj) -> dict | None:
+    """What :func:`swapped` replaces in place of an object a launcher may hold itself (a tile dict
+    or a ``fast_launch`` kernel, both registered with the row map's ops): a copy of its contents,
+    or None for anything else (swapped on the module only)."""
+    if isinstance(obj, dict):
+        return dict(obj)
+    if isinstance(obj, FastLaunch):
+        return dict(vars(obj))
+    return None
+
+
+def _replace(obj, contents: dict) -> None:
+    """``obj``'s contents (a dict's items, a kernel's attributes) replaced by ``contents``."""
+    target = obj if isinstance(obj, dict) else vars(obj)
+    target.clear()
+    target.update(contents)
+
+
 @contextlib.contextmanager
 def swapped(module: types.ModuleType, names: dict):
     """``names`` set on ``module`` for the duration (the base: an empty dict). A dict constant (a
-    tile declaration) is swapped in place, its contents replaced, so that a launcher holding the
-    dict object itself (the row map's, registered with its op's tile dicts) sees the variant too."""
+    tile declaration) and a ``fast_launch`` kernel are swapped in place, their contents replaced,
+    so that a launcher holding the object itself (the row map's, registered with its op's tile
+    dicts and kernels) sees the variant too."""
     saved = {name: getattr(module, name) for name in names}
-    contents = {name: dict(obj) for name, obj in saved.items() if isinstance(obj, dict)}
+    contents = {name: state for name, obj in saved.items() if (state := _state(obj)) is not None}
     _drop_cached_plans(module)
     for name, obj in names.items():
-        if name in contents and isinstance(obj, dict):
-            saved[name].clear()
-            saved[name].update(obj)
+        if name in contents and type(obj) is type(saved[name]):
+            _replace(saved[name], _state(obj))
         else:
             setattr(module, name, obj)
     try:
@@ -145,8 +167,7 @@ def swapped(module: types.ModuleType, names: dict):
         for name, obj in saved.items():
             setattr(module, name, obj)
             if name in contents:
-                obj.clear()
-                obj.update(contents[name])
+                _replace(obj, contents[name])
         _drop_cached_plans(module)
 
 
