@@ -113,3 +113,22 @@ def test_a_constant_variant_whose_results_differ_is_not_reported_as_timing_the_b
                                 constants_only=frozenset({"v"}), report=lines.append)
     assert any(line.startswith("probe v: max abs diff") for line in lines), lines
     assert not any("did not reach the launches" in line for line in lines), lines
+
+
+def test_a_kernel_edit_reaches_an_op_that_holds_its_kernel(tmp_path, device, monkeypatch):
+    """Softmax's ops are registered with its kernel objects (the row map's): a kernel edit is
+    swapped into those objects, so the variant computes something else (a deliberately wrong edit
+    here), and the base is the base again after the swap."""
+    from onca.ops import softmax
+
+    monkeypatch.setattr(small_calls, "_limit", 0)
+    subs = [["y = e / tl.sum(e, axis=1)[:, None]", "y = 2.0 * e / tl.sum(e, axis=1)[:, None]"]]
+    assert kernel_variants.changes_kernels(softmax, subs, "v")
+    bench = harness.load("softmax")
+    variant = kernel_variants.variant_names(softmax, subs, "v", str(tmp_path))
+    point = {**bench.probe, "tokens": 4}
+    base = kernel_variants._result(bench, point, device, torch.float32, "forward")
+    with kernel_variants.swapped(softmax, variant):
+        doubled = kernel_variants._result(bench, point, device, torch.float32, "forward")
+    torch.testing.assert_close(doubled[0], 2 * base[0])
+    assert torch.equal(kernel_variants._result(bench, point, device, torch.float32, "forward")[0], base[0])
