@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onca.ops.fused_linear_distill import DIVERGENCES, fused_linear_distill
+from onca.ops.fused_linear_distill import DIVERGENCES, fused_linear_distill, scratch_buffers
 from tests.contract import assert_op_contract
 from tests.helpers import MEMCHECK, assert_close, leaf, randn, rounded, zero_fills_during
 from tests.ops.posttrain_reference import IGNORE
@@ -169,3 +169,10 @@ def test_bad_accum_dtype(device):
     th, tw = randn(n, ht, device=device), randn(v, ht, device=device)
     with pytest.raises(ValueError, match="accum_dtype"):
         fused_linear_distill(sh, sw, th, tw, accum_dtype=torch.float16)
+
+
+def test_scratch_counts_the_hard_label_gradient_in_rows_of_logits():
+    """Two rows of logits a token, and the hard-label gradient's fp32 row counted in their bytes."""
+    assert scratch_buffers(torch.float32, False) == scratch_buffers(torch.bfloat16, False) == 2
+    assert scratch_buffers(torch.float32, True) == 3
+    assert scratch_buffers(torch.bfloat16, True) == 4

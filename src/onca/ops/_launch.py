@@ -43,8 +43,8 @@ import torch
 from onca.device import get_profile
 from onca.tiling import plan_rows
 
-__all__ = ["FastLaunch", "fast_launch", "launch_config", "prepared_key", "row_launch", "specialization_key",
-           "through_triton"]
+__all__ = ["FastLaunch", "fast_launch", "launch_config", "prepared_key", "register_cap", "row_launch",
+           "specialization_key", "through_triton"]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _UINT64_MIN = 1 << 63
@@ -110,10 +110,16 @@ def row_launch(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, co
                   "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
         if (two_programs_per_unit and profile.kind == "cuda" and p.col_tiles == 1 and not p.persistent
                 and p.num_warps == _CAPPED_WARPS):
-            kwargs["maxnreg"] = _GPU_REGISTERS_PER_UNIT // (2 * 32 * p.num_warps)
+            kwargs["maxnreg"] = register_cap(p.num_warps, programs_per_unit=2)
         return (p.grid,), kwargs, p
 
     return launch_config(key, make)
+
+
+def register_cap(num_warps: int, programs_per_unit: int) -> int:
+    """The ``maxnreg`` launch option (32-bit registers a thread) that lets ``programs_per_unit``
+    programs of ``num_warps`` warps share an NVIDIA SM's register file (at most 255, the ISA's)."""
+    return min(255, _GPU_REGISTERS_PER_UNIT // (programs_per_unit * 32 * num_warps))
 
 
 class _Runtime:

@@ -85,6 +85,12 @@ def logits_dtype(dtype: torch.dtype, divergence: str) -> torch.dtype:
     return torch.float32 if FP32_LOGITS or divergence == "cosine" else dtype
 
 
+def scratch_buffers(logits_dtype: torch.dtype, hard_gradient: bool) -> int:
+    """The scratch per token in rows of logits: the two heads', and the hard-label gradient's fp32
+    row (two rows of 16-bit logits) when it is computed."""
+    return 2 + (4 // logits_dtype.itemsize if hard_gradient else 0)
+
+
 def chunk_plan(tokens: int, vocab: int, buffers: int = 2, chunk_tokens: int | None = None, device=None,
                itemsize: int = 4) -> ChunkPlan:
     """Tokens per chunk: ``buffers`` rows of logits per token of ``itemsize`` bytes are the scratch."""
@@ -153,9 +159,8 @@ def fused_linear_distill_forward(
     hard = weight_hard_loss != 0.0
     if tokens:
         z_dtype = logits_dtype(sw.dtype, divergence)
-        # The two heads' logits, and the hard-label gradient's fp32 rows (counted as two of them).
-        buffers = 2 + (2 * 4 // z_dtype.itemsize if hard and with_grad else 0)
-        chunks = chunk_plan(tokens, vocab, buffers, chunk_tokens, device, itemsize=z_dtype.itemsize)
+        chunks = chunk_plan(tokens, vocab, scratch_buffers(z_dtype, hard and with_grad), chunk_tokens, device,
+                            itemsize=z_dtype.itemsize)
         t_buf = torch.empty((chunks.chunk, vocab), dtype=z_dtype, device=device)
         h_buf = torch.empty((chunks.chunk, vocab), dtype=torch.float32, device=device) if hard and with_grad else None
         soft_scale = inv * weight_soft_loss

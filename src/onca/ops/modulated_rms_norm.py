@@ -37,7 +37,7 @@ from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._launch import fast_launch
+from onca.ops._launch import fast_launch, register_cap
 from onca.ops._partials import accumulate_partial, partial_row, partial_rows, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
@@ -70,7 +70,6 @@ GPU_BACKWARD_TILE = 8192
 # registers and 336 bytes of stack, two programs per SM); the cap alone at hidden 4096 was 4x slower.
 GPU_WIDE_BACKWARD_COLS = 4096
 GPU_WIDE_BACKWARD_PROGRAMS = 4
-_GPU_REGISTERS_PER_UNIT = 65536
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -329,8 +328,7 @@ def _backward_launch_options(cols: int, num_warps: int) -> dict:
     """The backward's launch options: ``num_warps``, and on a GPU's wide rows the register cap."""
     if not _gpu_wide_backward(cols, get_profile()):
         return {"num_warps": num_warps}
-    return {"num_warps": num_warps,
-            "maxnreg": min(255, _GPU_REGISTERS_PER_UNIT // (GPU_WIDE_BACKWARD_PROGRAMS * 32 * num_warps))}
+    return {"num_warps": num_warps, "maxnreg": register_cap(num_warps, GPU_WIDE_BACKWARD_PROGRAMS)}
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None, *,
