@@ -1,18 +1,21 @@
 """Deterministic reduction of per-program partial sums (weight and bias gradients).
 
 Kernels that reduce across rows accumulate, per program of a persistent grid, one fp32 row of
-partial sums in registers and store it, whole, in that program's own row of a ``(grid, cols)``
-buffer (:func:`store_partial`): every row is written once, by one program (a program left without
-rows stores zeros), so the buffer needs no zero fill and no atomics. ``sum_partials`` then adds the
-rows in a fixed order, column tiles in parallel (``torch.sum`` over dim 0 of a few hundred rows took
-10-15 us on an H200, several times a kernel that reads 4 MB): bitwise deterministic. An op with
-several parameter gradients (LayerNorm's weight and bias; DyT's alpha, weight and bias) keeps them
-in planes of one buffer: one allocation, and one summing launch per two planes, each launch being a
-host-path step at medium sizes.
+partial sums. Programs ``p`` and ``p + rows`` share row ``p`` of a zeroed ``(rows, cols)`` buffer,
+``rows = ceil(grid / 2)``, adding into it atomically: with at most two contributions to a zero, the
+result does not depend on their order (``0 + a + b == 0 + b + a`` exactly, floating-point addition
+being commutative), so this halves the buffer and stays bitwise deterministic. (A row per program,
+stored whole, needs no fill, but doubles the buffer: on an H200, 8.6 MB for LayerNorm's two planes
+at 4096 columns, and its peak 1.06x liger-kernel's at 2048 tokens, so the rows stay shared.)
+``sum_partials``
+then adds the rows in a fixed order, column tiles in parallel (``torch.sum`` over dim 0 of a few
+hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB). An op with several
+parameter gradients (LayerNorm's weight and bias; DyT's alpha, weight and bias) keeps them in planes
+of one buffer: one fill, and one summing launch per two planes, each launch being a host-path step
+at medium sizes.
 
-At host-bound sizes (a few rows) the summing launch costs more than the work: there one program
-reduces every row and its "partial buffer" is the gradient itself (1-D, in the gradient's dtype):
-the same store, cast to that dtype, is then the result, in one launch in all.
+At host-bound sizes (a few rows) the zero fill and the summing launch cost more than the work:
+there one program reduces every row and stores the gradient itself (``DIRECT``), one launch in all.
 
 A loss summed over rows (:func:`sum_scaled`) is one launch too: the row losses added in a fixed
 order, times the reduction's scale, stored in the loss's dtype, where torch's ``sum``, the
@@ -21,6 +24,7 @@ multiplication and the cast were three kernels (and three host-path steps).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -65,12 +69,19 @@ def fill_wanted(wanted, items, absent=None) -> list:
     return [next(it) if w else absent for w in wanted]
 
 
+def partial_rows(grid: int) -> int:
+    """Rows of a partial buffer for ``grid`` programs (two programs share a row)."""
+    return (grid + 1) // 2
+
+
 def partial_buffer(grid: int, cols: int, device, planes: int | None = None) -> torch.Tensor:
-    """The ``(grid, cols)`` fp32 buffer whose rows the programs' :func:`store_partial` fill; with
-    ``planes``, ``(planes, grid, cols)``: one plane per gradient (:func:`sum_partials` sums two
-    planes per launch). Not zeroed: every row is stored whole by its program."""
-    shape = (grid, cols) if planes is None else (planes, grid, cols)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+    """The zeroed ``(ceil(grid / 2), cols)`` fp32 buffer that ``accumulate_partial`` adds into; with
+    ``planes``, ``(planes, ceil(grid / 2), cols)``: one plane per gradient, all zeroed by one fill
+    (:func:`sum_partials` sums two planes per launch). An op that zeroes other buffers too may
+    instead take ``partial_rows(grid)`` rows of one zeroed buffer of its own."""
+    rows = partial_rows(grid)
+    shape = (rows, cols) if planes is None else (planes, rows, cols)
+    return torch.zeros(shape, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -96,16 +107,20 @@ def program_row_blocks(n_row_blocks, CONTIGUOUS: tl.constexpr):
 
 @triton.jit
 def partial_row(buffer_ptr, n_cols):
-    """This program's own row of a ``partial_buffer`` (of a 1-D gradient, for a grid of one)."""
-    return buffer_ptr + tl.program_id(0).to(tl.int64) * n_cols
+    """This program's row of a ``partial_buffer``: shared with at most one other program."""
+    rows = (tl.num_programs(0) + 1) // 2
+    return buffer_ptr + (tl.program_id(0) % rows).to(tl.int64) * n_cols
 
 
 @triton.jit
-def store_partial(row_ptr, cols, values, mask):
-    """Store this program's sums ``values`` (fp32) at ``cols`` of its partial row, in the row's
-    dtype: fp32 in a partial buffer; the gradient's own dtype where a grid of one program stores
-    the whole result in the gradient itself. Each column of a row is stored once."""
-    tl.store(row_ptr + cols, values.to(row_ptr.dtype.element_ty), mask=mask)
+def accumulate_partial(row_ptr, cols, values, mask, DIRECT: tl.constexpr):
+    """Add ``values`` into this program's partial row (order-independent: two adds to a zero), or,
+    with ``DIRECT`` (a grid of one program, whose sums are the whole result), store them in the
+    buffer's dtype: the buffer is then the gradient itself."""
+    if DIRECT:
+        tl.store(row_ptr + cols, values.to(row_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(row_ptr + cols, values, mask=mask, sem="relaxed")
 
 
 # Elements of the sum kernel's tile: 16 fp32 a thread at 4 warps.
@@ -126,7 +141,12 @@ def _sum_plan(n_rows: int, n_cols: int) -> _SumPlan:
     in rows, so that a few hundred partial rows take a few steps. One row per step, the loop is
     latency-bound: on an H200, 264 rows of 4096 took about 13 us longer than 132 rows did
     (LayerNorm's backward at 4096 x 4096, CUDA-graph replays)."""
-    profile = get_profile()
+    return _sum_tile(n_rows, n_cols, get_profile())
+
+
+# Cached per shape and profile: every backward with partial sums asks for it.
+@functools.lru_cache(maxsize=1024)
+def _sum_tile(n_rows: int, n_cols: int, profile) -> _SumPlan:
     spread = triton.next_power_of_2(-(-n_cols // profile.compute_units))
     block_cols = min(triton.next_power_of_2(n_cols), _SUM_TILE, max(32, spread))
     block_rows = min(triton.next_power_of_2(n_rows), max(1, _SUM_TILE // block_cols))

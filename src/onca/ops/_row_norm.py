@@ -1,14 +1,14 @@
 """The launch sequence the row norms share (RMSNorm, fused add + RMSNorm, LayerNorm).
 
 Their kernels differ, their launches do not: the forward plans a ``(rows, cols)`` grid and launches;
-the backward plans a persistent grid, allocates one partial-sum buffer with a plane per parameter
-gradient (see ``onca.ops._partials``), gives the column-tiled path its per-row scratch, launches, and sums the
+the backward plans a persistent grid, zeroes one partial-sum buffer per parameter gradient (see
+``onca.ops._partials``), gives the column-tiled path its per-row scratch, launches, and sums the
 partial rows. A kernel takes its plan as the constexprs ``BLOCK_ROWS``, ``BLOCK_COLS`` and
 ``COL_TILES``; a backward kernel's last pointer arguments are its partial buffers, in the order of
 ``grad_dtypes``, then the scratch.
 
-Up to ``DIRECT_MAX_ELEMENTS`` elements the backward runs as one program whose partial rows are the
-parameter gradients themselves: no summing launch, where the host path is the cost.
+Up to ``DIRECT_MAX_ELEMENTS`` elements the backward runs as one program that stores the parameter
+gradients itself (``DIRECT_PARTIALS``): no fill, no summing launch, where the host path is the cost.
 
 Callers launch only with at least one row and one column (a plan of nothing is an error, and a
 zero-size grid is never launched).
@@ -69,17 +69,16 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     ``stand_in``: an fp32 tensor on the device, passed for any buffer this plan never touches.
     """
     direct = rows * cols <= DIRECT_MAX_ELEMENTS
-    grid, kwargs, p = row_launch(kernel, rows, cols, dtype, tiles, constexprs,
+    grid, kwargs, p = row_launch(kernel, rows, cols, dtype, tiles, {**constexprs, "DIRECT_PARTIALS": direct},
                                  plan=backward_plan)
     device = stand_in.device
     wanted = [d is not None for d in grad_dtypes]
     computed = [d for d in grad_dtypes if d is not None]
     if direct:
-        # The gradients themselves: the one program stores its sums in them, cast to their dtypes.
+        # The gradients themselves: the one program stores its sums in them (1-D: no view to make).
         buffers = [torch.empty(cols, dtype=d, device=device) for d in computed]
     else:
-        # One buffer with a plane per computed gradient (no fill: each program stores its rows
-        # whole), and one summing launch below.
+        # One buffer with a plane per computed gradient: one fill, and one summing launch below.
         planes = partial_buffer(p.grid, cols, device, planes=len(computed))
         buffers = list(planes)
     partials = fill_wanted(wanted, buffers, stand_in)

@@ -27,7 +27,7 @@ from onca.device import DeviceProfile
 from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
-from onca.ops._partials import partial_row, store_partial, program_row_blocks
+from onca.ops._partials import accumulate_partial, partial_row, program_row_blocks
 from onca.ops._row_norm import launch_backward, launch_forward, plans
 from onca.ops._rows import rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_same_device
@@ -114,6 +114,7 @@ def _dyt_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    DIRECT_PARTIALS: tl.constexpr,
 ):
     # With t = tanh(alpha * x) and g = w * dy * (1 - t^2):
     #   dx = alpha * g,  dalpha = sum x * g,  dW = sum_rows dy * t,  dB = sum_rows dy
@@ -153,11 +154,11 @@ def _dyt_backward_kernel(
             tl.store(dx_ptr + rows64 * dx_row_stride + cols[None, :], (g * a).to(dx_ptr.dtype.element_ty),
                      mask=mask)
         if COMPUTE_DA:
-            store_partial(da_row, cols, da_acc, col_mask)
+            accumulate_partial(da_row, cols, da_acc, col_mask, DIRECT_PARTIALS)
         if COMPUTE_DW:
-            store_partial(dw_row, cols, dw_acc, col_mask)
+            accumulate_partial(dw_row, cols, dw_acc, col_mask, DIRECT_PARTIALS)
         if COMPUTE_DB:
-            store_partial(db_row, cols, db_acc, col_mask)
+            accumulate_partial(db_row, cols, db_acc, col_mask, DIRECT_PARTIALS)
 
 
 # --------------------------------------------------------------------------------------- launchers

@@ -39,7 +39,7 @@ from onca.device import DeviceProfile
 from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
-from onca.ops._partials import partial_row, store_partial, program_row_blocks
+from onca.ops._partials import accumulate_partial, partial_row, program_row_blocks
 from onca.ops._row_norm import launch_backward, launch_forward, plans
 from onca.ops._rows import rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_number, check_same_device
@@ -154,6 +154,7 @@ def _layer_norm_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    DIRECT_PARTIALS: tl.constexpr,
 ):
     # With xhat = (x - mean) * rstd and g = w * dy:
     #   dx = (g - xhat * mean(g * xhat) - mean(g)) * rstd,  dW = sum_rows dy * xhat,  dB = sum_rows dy
@@ -162,7 +163,7 @@ def _layer_norm_backward_kernel(
     # faster by 15-35% (16384 x 5376, 16384 x 8192), and from four rows on they were level.
     first, end, step = program_row_blocks(tl.cdiv(n_rows, BLOCK_ROWS), BLOCK_ROWS == 1)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    # This program's own rows of the partial-sum buffers.
+    # This program's rows of the partial-sum buffers, each shared with at most one other program.
     dw_row = partial_row(dw_partial_ptr, n_cols)
     db_row = partial_row(db_partial_ptr, n_cols)
     if COL_TILES == 1:
@@ -199,9 +200,9 @@ def _layer_norm_backward_kernel(
             if COMPUTE_DB:
                 db_acc += tl.sum(dy, axis=0)
         if COMPUTE_DW:
-            store_partial(dw_row, col_offsets, dw_acc, col_mask)
+            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask, DIRECT_PARTIALS)
         if COMPUTE_DB:
-            store_partial(db_row, col_offsets, db_acc, col_mask)
+            accumulate_partial(db_row, col_offsets, db_acc, col_mask, DIRECT_PARTIALS)
     else:
         # Phase 1, row by row: c1 = mean(g * xhat) and c2 = mean(g) of each of this program's
         # rows, kept in `c_ptr` (c1 at [row], c2 at [n_rows + row]).
@@ -263,9 +264,9 @@ def _layer_norm_backward_kernel(
                 if COMPUTE_DB:
                     db_acc += tl.sum(dy, axis=0)
             if COMPUTE_DW:
-                store_partial(dw_row, cols, dw_acc, col_mask)
+                accumulate_partial(dw_row, cols, dw_acc, col_mask, DIRECT_PARTIALS)
             if COMPUTE_DB:
-                store_partial(db_row, cols, db_acc, col_mask)
+                accumulate_partial(db_row, cols, db_acc, col_mask, DIRECT_PARTIALS)
 
 
 # --------------------------------------------------------------------------------------- launchers

@@ -22,8 +22,8 @@ backward's persistent grid gives each program a contiguous range of row blocks (
 straddles two modulation rows); a program sums each modulation row's share in registers and
 stores it in its own slot ``program + modulation_row`` of a zeroed fp32 buffer (unique: both
 indices only grow along the rows), and a second small kernel sums each modulation row's slots in
-order. Per-token modulation (``M == N``) is stored directly. ``dweight`` goes through the
-per-program partial rows of ``onca.ops._partials``.
+order. Per-token modulation (``M == N``) is stored directly. ``dweight`` goes through the shared
+partial rows of ``onca.ops._partials``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch, register_cap
-from onca.ops._partials import partial_buffer, partial_row, store_partial, sum_partials
+from onca.ops._partials import accumulate_partial, partial_row, partial_rows, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_same_device
@@ -250,7 +250,7 @@ def _modulated_rms_norm_backward_kernel(
             if HAS_SHIFT:
                 tl.store(dshift_ptr + slot + cols, dsh_acc, mask=tl.where(has_rows, col_mask, False))
         if HAS_WEIGHT:
-            store_partial(dw_row, cols, dw_acc, col_mask)
+            accumulate_partial(dw_row, cols, dw_acc, col_mask, False)
 
 
 @fast_launch
@@ -393,19 +393,19 @@ def modulated_rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, sc
     rows_per_mod = rows // mod_rows
     per_row = mod_rows == rows
     blocks_per_program = -(-p.row_blocks // p.grid)
-    # dW's partial rows are each stored whole by their program (no fill).
-    dw_partials = rstd if weight is None else partial_buffer(p.grid, cols, x.device)
+    # dW's partial rows and the modulation's slots (a slot never written sums as zero) are rows of
+    # one buffer: one zero fill for all of them.
+    dw_rows = 0 if weight is None else partial_rows(p.grid)
+    n_slots = 0 if per_row else p.grid + mod_rows
+    slot_planes = 1 if shift is None else 2
+    zeroed = torch.zeros((dw_rows + n_slots * slot_planes, cols), dtype=torch.float32, device=x.device)
+    dw_partials = rstd if weight is None else zeroed[:dw_rows]
     if per_row:  # the gradients themselves, contiguous rows in their parameters' shapes
         ds_buf = torch.empty_like(scale, memory_format=torch.contiguous_format)
         dsh_buf = None if shift is None else torch.empty_like(shift, memory_format=torch.contiguous_format)
     else:
-        # The modulation's slots (a slot never written sums as zero), shift's after scale's: one
-        # zero fill for both.
-        n_slots = p.grid + mod_rows
-        planes = 1 if shift is None else 2
-        slots = torch.zeros((n_slots * planes, cols), dtype=torch.float32, device=x.device)
-        ds_buf = slots[:n_slots]
-        dsh_buf = None if shift is None else slots[n_slots:]
+        ds_buf = zeroed[dw_rows:dw_rows + n_slots]
+        dsh_buf = None if shift is None else zeroed[dw_rows + n_slots:]
     c = rstd if p.single_pass else torch.empty(rows, dtype=torch.float32, device=x.device)
     w = x if weight is None else weight
     _modulated_rms_norm_backward_kernel[(p.grid,)](

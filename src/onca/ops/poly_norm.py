@@ -35,7 +35,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch, row_launch
-from onca.ops._partials import partial_buffer, partial_row, store_partial, sum_partials
+from onca.ops._partials import accumulate_partial, partial_buffer, partial_row, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_bool, check_float, check_number, check_same_device
@@ -228,7 +228,7 @@ def _poly_norm_backward_kernel(
     grads = tl.where(index == 0, tl.sum(acc3, axis=0),
                      tl.where(index == 1, tl.sum(acc2, axis=0),
                               tl.where(index == 2, tl.sum(acc1, axis=0), tl.sum(acc_b, axis=0))))
-    store_partial(partial_row(grads_partial_ptr, 4), index, grads, index < 4)
+    accumulate_partial(partial_row(grads_partial_ptr, 4), index, grads, index < 4, False)
 
 
 # --------------------------------------------------------------------------------------- launchers

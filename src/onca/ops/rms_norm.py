@@ -23,8 +23,8 @@ chosen by the plan. The tiled forward reduces over the row's tiles, then applies
 mostly hits L2). The tiled backward first computes each row's ``mean(dn * n)``, then walks column
 tile by column tile over all of its program's rows, so that the tile's ``dW`` stays in registers.
 ``dW`` is reduced deterministically: each program of a persistent grid sums its rows in registers
-and stores them in its own partial row (see ``_partials``), and the partial rows are summed once at
-the end.
+and adds them to a partial row it shares with at most one other program (see ``_partials``), and
+the partial rows are summed once at the end.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
-from onca.ops._partials import partial_row, store_partial
+from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
 from onca.ops._rows import rows_in_place, rows_ready
 from onca.ops._validate import check_bool, check_float, check_last_dim, check_number, check_same_device
@@ -187,6 +187,7 @@ def _rms_norm_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    DIRECT_PARTIALS: tl.constexpr,
 ):
     # x is the normalised input (h = x + residual for the fused op).
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -194,7 +195,7 @@ def _rms_norm_backward_kernel(
     n_programs = tl.num_programs(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     col_offsets = tl.arange(0, BLOCK_COLS)
-    # This program's own row of the partial-sum buffer.
+    # This program's row of the partial-sum buffer, shared with at most one other program.
     dw_row = partial_row(dw_partial_ptr, n_cols)
     if COL_TILES == 1:
         col_mask = col_offsets < n_cols
@@ -227,7 +228,7 @@ def _rms_norm_backward_kernel(
             tl.store(dx_ptr + rows64 * dx_row_stride + col_offsets[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
-            store_partial(dw_row, col_offsets, dw_acc, col_mask)
+            accumulate_partial(dw_row, col_offsets, dw_acc, col_mask, DIRECT_PARTIALS)
     else:
         # Phase 1, row by row: c = mean(dn * n) of each of this program's rows, kept in `c_ptr`.
         for row_block in tl.range(pid, n_row_blocks, n_programs):
@@ -274,7 +275,7 @@ def _rms_norm_backward_kernel(
                 if HAS_WEIGHT:
                     dw_acc += tl.sum(dy * n, axis=0)
             if HAS_WEIGHT:
-                store_partial(dw_row, cols, dw_acc, col_mask)
+                accumulate_partial(dw_row, cols, dw_acc, col_mask, DIRECT_PARTIALS)
 
 
 # --------------------------------------------------------------------------------------- launchers

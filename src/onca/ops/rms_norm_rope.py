@@ -21,7 +21,7 @@ RoPE backward stores it.
 
 Rows are heads of ``head_dim`` columns (one head of one token), a tile of rows at a time; each half
 of a head is one load. One launch covers q's rows and then k's, forward and backward (the backward's
-two weight gradients are two planes of one partial-sum buffer: one summing launch), where
+two weight gradients are two planes of one partial-sum buffer: one fill, one summing launch), where
 two launches per direction and two sums cost host time at the sizes where the host is the cost.
 Saved for backward: ``q``, ``k``, the weights and the tables (references, no copies); each row's
 ``rstd`` is recomputed in the backward, which loads the row anyway. The weights' gradients are
@@ -40,7 +40,7 @@ from torch import Tensor
 from onca.device import DeviceProfile
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
-from onca.ops._partials import partial_row, store_partial
+from onca.ops._partials import accumulate_partial, partial_row
 from onca.ops._row_norm import launch_backward, launch_forward, plans
 from onca.ops._validate import check_float, check_same_device
 from onca.ops.rms_norm import _normalized, _scale, _weight, grad_output_buffer, validate_options
@@ -147,7 +147,7 @@ def _rms_norm_rope_forward_kernel(
 def _backward_side(dy_ptr, x_ptr, w_ptr, dx_ptr, dw_partial_ptr, cos_ptr, sin_ptr, n_rows, heads, seq_len,
                    dy_sb, dy_ss, dy_sh, x_sb, x_ss, x_sh, cos_sb, cos_ss, sin_sb, sin_ss, eps, offset,
                    HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr, CASTING: tl.constexpr,
-                   BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                   BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, DIRECT_PARTIALS: tl.constexpr):
     """The rotation's adjoint ``g1 = dy1 * c1 + dy2 * s2``, ``g2 = dy2 * c2 - dy1 * s1`` (rounded to
     the input dtype), then RMSNorm's backward of ``g`` with ``rstd`` recomputed from ``x``, over
     this program's row blocks of one tensor; its weight's column sums go to its partial row. ``dx``
@@ -183,8 +183,8 @@ def _backward_side(dy_ptr, x_ptr, w_ptr, dx_ptr, dw_partial_ptr, cos_ptr, sin_pt
         tl.store(dx_at + HALF, ((dn2 - n2 * c[:, None]) * rstd[:, None]).to(dx_dtype), mask=mask)
     if HAS_WEIGHT:
         dw_row = partial_row(dw_partial_ptr, 2 * HALF)
-        store_partial(dw_row, j, dw1, j_mask)
-        store_partial(dw_row + HALF, j, dw2, j_mask)
+        accumulate_partial(dw_row, j, dw1, j_mask, DIRECT_PARTIALS)
+        accumulate_partial(dw_row + HALF, j, dw2, j_mask, DIRECT_PARTIALS)
 
 
 @fast_launch
@@ -201,16 +201,17 @@ def _rms_norm_rope_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     COL_TILES: tl.constexpr,
+    DIRECT_PARTIALS: tl.constexpr,
 ):
     tl.static_assert(COL_TILES == 1, "a head is one tile")
     _backward_side(dyq_ptr, q_ptr, wq_ptr, dq_ptr, dwq_partial_ptr, cos_ptr, sin_ptr, q_rows, q_heads,
                    seq_len, dyq_sb, dyq_ss, dyq_sh, q_sb, q_ss, q_sh, cos_sb, cos_ss, sin_sb, sin_ss,
                    eps, offset,
-                   HALF, HAS_WEIGHT, CASTING, BLOCK_ROWS, BLOCK_COLS)
+                   HALF, HAS_WEIGHT, CASTING, BLOCK_ROWS, BLOCK_COLS, DIRECT_PARTIALS)
     _backward_side(dyk_ptr, k_ptr, wk_ptr, dk_ptr, dwk_partial_ptr, cos_ptr, sin_ptr, k_rows, k_heads,
                    seq_len, dyk_sb, dyk_ss, dyk_sh, k_sb, k_ss, k_sh, cos_sb, cos_ss, sin_sb, sin_ss,
                    eps, offset,
-                   HALF, HAS_WEIGHT, CASTING, BLOCK_ROWS, BLOCK_COLS)
+                   HALF, HAS_WEIGHT, CASTING, BLOCK_ROWS, BLOCK_COLS, DIRECT_PARTIALS)
 
 
 # --------------------------------------------------------------------------------------- launchers
