@@ -696,3 +696,23 @@ def test_two_sweeps_over_one_x_name_stay_apart(tmp_path, monkeypatch):
     names = {p.rsplit("/", 1)[-1] for p in plot.plot_csv(str(data / "results.csv"), str(tmp_path / "plots"),
                                                             include_cpu=True) if p.endswith("-speed.png")}
     assert names == {"cpu-float32-d1-n-small-rows-speed.png", "cpu-float32-d1-n-wide-rows-speed.png"}
+
+
+def test_below_peers_says_when_the_peer_s_row_is_from_another_run():
+    """A run of some providers only (onca beside its limit row) leaves the peers' rows of an
+    earlier run: a behind point whose ratio spans two runs says so, with the peer's run date."""
+    from onca.bench.report import below_peers
+
+    def row(provider, x, value, stamp):
+        return {"kernel_name": "op", "sweep": "d2", "x_value": x, "kernel_operation_mode": "full",
+                "status": "ok", "metric_name": "speed", "kernel_provider": provider, "y_value_50": value,
+                "timestamp": stamp}
+
+    first, second = "2026-12-01T10:00:00+00:00", "2026-12-02T10:00:00+00:00"
+    rows = [row("onca", "a", 2.0, first), row("torch_compile", "a", 1.0, first),
+            row("onca", "b", 2.0, first), row("torch_compile", "b", 1.0, first),
+            row("onca", "b", 2.0, second), row("gemm_limit", "b", 1.0, second)]
+    lines = below_peers(rows).splitlines()
+    assert lines[1:] == ["    d2 a: 0.50x torch_compile",
+                         "    d2 b: 0.50x torch_compile (onca at 50% of gemm_limit's speed; "
+                         "torch_compile's row from another run, 2026-12-01)"]

@@ -165,13 +165,15 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
     share of the copy bandwidth where known, how many of those points onca is at the copy-bandwidth
     limit (``AT_COPY_LIMIT_PCT``), onca's speed as a share of each limit row's there (and how many
     points are at ``AT_LIMIT_ROW_PCT`` or more of one), onca's and the peer's device time where both
-    were measured (at or below the peer's: the point is host-bound), and onca's largest peak memory
+    were measured (at or below the peer's: the point is host-bound), whether the peer's row is from
+    another run than onca's (a run of some providers only), and onca's largest peak memory
     relative to liger-kernel's. A ratio only ever compares rows of one GPU; a kernel measured on two GPUs gets
     a line for each (the newest onca run's GPU first). Empty if there are no such records."""
     speed: dict[tuple, dict[str, float]] = {}
     memory: dict[tuple, dict[str, float]] = {}
     copy_pct: dict[tuple, float] = {}  # onca's share of the copy bandwidth, per speed point
     device: dict[tuple, dict[str, float]] = {}  # device time (CUDA-graph replay) per point, provider
+    stamp: dict[tuple, dict[str, str]] = {}  # the run (its timestamp) of each speed row kept
     newest: dict[tuple, str] = {}
     for r in rows:
         if r["sweep"] not in ("d1", "d2") or r["kernel_operation_mode"] != mode or r["status"] != "ok":
@@ -186,6 +188,7 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
         key = (*where, r["sweep"], x, r.get("x_label", ""))
         table_.setdefault(key, {})[r["kernel_provider"]] = r["y_value_50"]
         if table_ is speed:  # a later row's device time replaces an earlier one's, or its absence
+            stamp.setdefault(key, {})[r["kernel_provider"]] = r.get("timestamp", "")
             device_ms = r.get("device_ms")
             held = device.setdefault(key, {})
             held.pop(r["kernel_provider"], None)
@@ -219,6 +222,10 @@ def below_peers(rows: list[dict], mode: str = "full") -> str:
                     host_bound += ours <= theirs
                     causes.append(f"device time {ours:.3f} vs {theirs:.3f} ms"
                                   + (": host-bound" if ours <= theirs else ""))
+                ours_run, their_run = stamp[key].get("onca", ""), stamp[key].get(peer, "")
+                if ours_run and their_run and ours_run != their_run:
+                    # A run of some providers only (a limit row beside onca): the ratio spans two.
+                    causes.append(f"{peer}'s row from another run, {their_run[:10]}")
                 cause = f" ({'; '.join(causes)})" if causes else ""
                 behind.append(f"{key[2]} {key[3]}: {best / times['onca']:.2f}x {peer}{cause}")
         ratios = [m["onca"] / m["liger"] for k, m in memory.items()
