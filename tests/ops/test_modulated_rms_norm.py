@@ -219,3 +219,12 @@ def test_op_contract(device):
     tensors = [t.requires_grad_() for t in make((3, 5, 48), torch.bfloat16, device, "batch")]
     assert_op_contract(modulated_rms_norm, tuple(tensors),
                        expect_ops={"modulated_rms_norm_forward", "modulated_rms_norm_backward"})
+
+
+def test_slot_sum_takes_a_modulation_row_s_slots_in_few_steps():
+    """The slot sum adds many slots a step: a batch of 4 sequences on a 264-program grid gives each
+    modulation row about 67 slots, summed in at most 16 steps; rows of many modulation rows
+    (about two slots each) take a small tile; wide tiles one slot a step."""
+    assert -(-67 // op._slot_rows(268, 4, 64)) <= 16
+    assert op._slot_rows(264 + 512, 512, 32) == 4
+    assert op._slot_rows(268, 4, 4096) == 1

@@ -261,8 +261,10 @@ def _sum_slots_kernel(
     HAS_SHIFT: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    SLOT_ROWS: tl.constexpr,
 ):
-    """``dscale[g]`` (and ``dshift[g]``): the sum, in slot order, of modulation row ``g``'s slots."""
+    """``dscale[g]`` (and ``dshift[g]``): the sum of modulation row ``g``'s slots, ``SLOT_ROWS`` of
+    them a step (a fixed order: deterministic)."""
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
@@ -271,21 +273,35 @@ def _sum_slots_kernel(
     start = (g * rows_per_mod // ROW_BLOCK) // blocks_per_program + g
     end = tl.where(g + 1 < n_mod_rows,
                    ((g + 1) * rows_per_mod // ROW_BLOCK) // blocks_per_program + g + 1, n_slots)
-    ds = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-    dsh = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-    offset = start.to(tl.int64) * n_cols
-    for _slot in range(start, end):
-        ds += tl.load(ds_slots_ptr + offset + cols, mask=col_mask, other=0.0)
+    ds = tl.zeros([SLOT_ROWS, BLOCK_COLS], dtype=tl.float32)
+    dsh = tl.zeros([SLOT_ROWS, BLOCK_COLS], dtype=tl.float32)
+    for first in range(start, end, SLOT_ROWS):
+        slots = first + tl.arange(0, SLOT_ROWS)
+        mask = (slots < end)[:, None] & col_mask[None, :]
+        at = slots.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        ds += tl.load(ds_slots_ptr + at, mask=mask, other=0.0)
         if HAS_SHIFT:
-            dsh += tl.load(dsh_slots_ptr + offset + cols, mask=col_mask, other=0.0)
-        offset += n_cols
+            dsh += tl.load(dsh_slots_ptr + at, mask=mask, other=0.0)
     out = g.to(tl.int64) * n_cols + cols
-    tl.store(dscale_ptr + out, ds.to(dscale_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(dscale_ptr + out, tl.sum(ds, axis=0).to(dscale_ptr.dtype.element_ty), mask=col_mask)
     if HAS_SHIFT:
-        tl.store(dshift_ptr + out, dsh.to(dshift_ptr.dtype.element_ty), mask=col_mask)
+        tl.store(dshift_ptr + out, tl.sum(dsh, axis=0).to(dshift_ptr.dtype.element_ty), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
+
+
+# fp32 elements of each of the slot sum's four live tiles (two sums, two loads).
+SLOT_TILE = 512
+
+
+def _slot_rows(n_slots: int, mod_rows: int, block_cols: int) -> int:
+    """Slots the slot sum adds a step: about a modulation row's share of them (grid / rows + 1),
+    within ``SLOT_TILE``. One slot a step, as ``onca.ops._partials``' summing launch once took one
+    partial row a step, waits on each load in turn (a few hundred programs' slots for a batch of
+    4 sequences)."""
+    share = -(-n_slots // max(1, mod_rows)) + 1
+    return max(1, min(next_power_of_2(share), SLOT_TILE // block_cols))
 
 
 def _slot_sum_plan(mod_rows: int, cols: int, profile=None) -> RowPlan:
@@ -426,6 +442,7 @@ def modulated_rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, sc
         ds_buf, ds_buf if dsh_buf is None else dsh_buf, dscale, dscale if dshift is None else dshift,
         mod_rows, ds_buf.shape[0], cols, rows_per_mod, blocks_per_program,
         HAS_SHIFT=shift is not None, ROW_BLOCK=p.block_rows, BLOCK_COLS=sp.block_cols,
+        SLOT_ROWS=_slot_rows(ds_buf.shape[0], mod_rows, sp.block_cols),
     )
     return dx, dw, dscale, empty if dshift is None else dshift
 
