@@ -4,11 +4,10 @@ Kernels that reduce across rows accumulate, per program of a persistent grid, on
 partial sums. Programs ``p`` and ``p + rows`` share row ``p`` of a zeroed ``(rows, cols)`` buffer,
 ``rows = ceil(grid / 2)``, adding into it atomically: with at most two contributions to a zero, the
 result does not depend on their order (``0 + a + b == 0 + b + a`` exactly, floating-point addition
-being commutative), so this halves the buffer and stays bitwise deterministic. (A row per program,
-stored whole, needs no fill, but doubles the buffer: on an H200, 8.6 MB for LayerNorm's two planes
-at 4096 columns, and its peak 1.06x liger-kernel's at 2048 tokens, so the rows stay shared.)
-``sum_partials``
-then adds the rows in a fixed order, column tiles in parallel (``torch.sum`` over dim 0 of a few
+being commutative), so this halves the buffer and stays bitwise deterministic (a row per program,
+stored whole, needs no fill but doubles the buffer: on an H200, 8.6 MB for LayerNorm's two planes
+at 4096 columns, its peak then 1.06x liger-kernel's at 2048 tokens). ``sum_partials`` then adds
+the rows in a fixed order, many a step, column tiles in parallel (``torch.sum`` over dim 0 of a few
 hundred rows took 10-15 us on an H200, several times a kernel that reads 4 MB). An op with several
 parameter gradients (LayerNorm's weight and bias; DyT's alpha, weight and bias) keeps them in planes
 of one buffer: one fill, and one summing launch per two planes, each launch being a host-path step
@@ -134,6 +133,13 @@ class _SumPlan(NamedTuple):
     num_warps: int
 
 
+def rows_per_step(n_rows: int, block_cols: int, tile_elements: int = _SUM_TILE) -> int:
+    """Rows a summing loop over ``n_rows`` rows of ``block_cols``-wide tiles adds a step: as many
+    as ``tile_elements`` holds (a power of two, at least one). One row a step, such a loop waits
+    on each load in turn."""
+    return max(1, min(triton.next_power_of_2(n_rows), tile_elements // block_cols))
+
+
 def _sum_plan(n_rows: int, n_cols: int) -> _SumPlan:
     """The summing launch's tiles: one program per column tile, each walking every row. Column
     tiles of at least 32 fp32 (128 bytes: whole memory transactions, and a multiple of any
@@ -149,7 +155,7 @@ def _sum_plan(n_rows: int, n_cols: int) -> _SumPlan:
 def _sum_tile(n_rows: int, n_cols: int, profile) -> _SumPlan:
     spread = triton.next_power_of_2(-(-n_cols // profile.compute_units))
     block_cols = min(triton.next_power_of_2(n_cols), _SUM_TILE, max(32, spread))
-    block_rows = min(triton.next_power_of_2(n_rows), max(1, _SUM_TILE // block_cols))
+    block_rows = rows_per_step(n_rows, block_cols)
     num_warps = 4 if profile.kind == "cuda" else 1  # 16 fp32 a thread; warps mean nothing elsewhere
     return _SumPlan(block_rows, block_cols, -(-n_cols // block_cols), num_warps)
 

@@ -38,7 +38,7 @@ from torch import Tensor
 from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch, register_cap
-from onca.ops._partials import accumulate_partial, partial_row, partial_rows, sum_partials
+from onca.ops._partials import accumulate_partial, partial_row, partial_rows, rows_per_step, sum_partials
 from onca.ops._row_norm import launch_forward
 from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_same_device
@@ -297,11 +297,8 @@ SLOT_TILE = 512
 
 def _slot_rows(n_slots: int, mod_rows: int, block_cols: int) -> int:
     """Slots the slot sum adds a step: about a modulation row's share of them (grid / rows + 1),
-    within ``SLOT_TILE``. One slot a step, as ``onca.ops._partials``' summing launch once took one
-    partial row a step, waits on each load in turn (a few hundred programs' slots for a batch of
-    4 sequences)."""
-    share = -(-n_slots // max(1, mod_rows)) + 1
-    return max(1, min(next_power_of_2(share), SLOT_TILE // block_cols))
+    within ``SLOT_TILE`` (a batch of 4 sequences gives each row a few dozen programs' slots)."""
+    return rows_per_step(-(-n_slots // max(1, mod_rows)) + 1, block_cols, SLOT_TILE)
 
 
 def _slot_sum_plan(mod_rows: int, cols: int, profile=None) -> RowPlan:
