@@ -295,12 +295,15 @@ def test_cuda_audit_compiles_kernels_to_cubins_without_a_gpu():
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
-    assert "compiled to a cubin (0 failures" in summary and "profiles h100" in summary
-    assert "ok   relu_squared." in done.stdout and "[h100; models:" in done.stdout
-    # Each cubin's registers and spilled stack, and the count of spilling compilations.
-    resources = re.findall(r"; regs (\d+), stack (\d+)$", done.stdout, re.MULTILINE)
-    assert resources and all(0 < int(regs) <= 255 for regs, _ in resources), done.stdout[-2000:]
-    spilling = sum(int(stack) > 0 for _, stack in resources)
+    assert "compiled to a cubin (0 failures" in summary and "profiles h100, a100, cuda-generic" in summary
+    assert "ok   relu_squared." in done.stdout
+    for profile in ("h100", "a100", "cuda-generic"):  # each architecture compiled apart
+        assert f"[{profile}; models:" in done.stdout, done.stdout[-2000:]
+    # Each cubin's registers, spilled stack and shared memory, and the count of spilling compilations.
+    resources = re.findall(r"; regs (\d+), stack (\d+), shared (\d+)$", done.stdout, re.MULTILINE)
+    assert resources and all(0 < int(regs) <= 255 for regs, _, _ in resources), done.stdout[-2000:]
+    assert all(int(shared) <= 101376 for _, _, shared in resources)  # TVD's and squared ReLU's rows
+    spilling = sum(int(stack) > 0 for _, stack, _ in resources)
     assert f"0 failures, {spilling} spilling registers to the stack" in summary
 
 
@@ -309,6 +312,38 @@ def test_audit_covers_every_cuda_profile_architecture():
 
     gpus = {n for n, p in onca_device.PROFILES.items() if p.kind == "cuda"}
     assert set(audit.CUDA_TARGETS) <= gpus and audit.CUDA_TARGETS
+
+
+def test_audit_fails_a_cubin_over_its_profiles_shared_memory(monkeypatch):
+    """Triton's launcher refuses a kernel that needs more shared memory than the device gives a
+    program; the audit finds it without the device, against each profile that planned the launch."""
+    import types
+
+    from onca import audit
+
+    def launch(*profiles):
+        la = audit.Launch(kernel=None, signature={}, constants={}, attrs=None, on_910_95=False,
+                          cuda_options=object(), cuda_arch=86)
+        la.users.update(f"{p}/llama-3-8b" for p in profiles)
+        return la
+
+    generic = onca_device.PROFILES["cuda-generic"].shared_bytes
+    assert audit.shared_memory_error(launch("cuda-generic"), generic) is None
+    error = audit.shared_memory_error(launch("cuda-generic"), generic + 1)
+    assert error == (f"{generic + 1} bytes of shared memory a program, over the cuda-generic profile's "
+                     f"{generic}")
+    assert audit.shared_memory_error(launch("h100"), generic + 1) is None  # within the H100's 232448
+    assert "a100 profile's 166912" in audit.shared_memory_error(launch("h100", "a100"), 200000)
+
+    # The check is what _check reports for a compiled cubin.
+    compiled = types.SimpleNamespace(metadata=types.SimpleNamespace(shared=generic + 1024),
+                                     asm={"cubin": b""})
+    monkeypatch.setattr(audit, "compile_for_cuda", lambda la: compiled)
+    monkeypatch.setattr(audit, "cubin_resources", lambda cubin: (32, 0))
+    error, crash, resources = audit._check(launch("cuda-generic"))
+    assert "over the cuda-generic profile's" in error and crash is None
+    compiled.metadata.shared = 1024
+    assert audit._check(launch("cuda-generic")) == (None, None, (32, 0, 1024))
 
 
 def test_audit_covers_every_ascend_profile():

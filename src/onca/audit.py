@@ -14,7 +14,8 @@ compiled once, through triton-ascend's ``ttir`` and ``ttadapter`` (Linalg) stage
 ``--ascend`` needs triton-ascend in place of stock Triton (``pip install triton-ascend==3.2.0
 pybind11`` in its own environment). ``--cuda`` compiles with the installed Triton for each GPU
 profile's compute capability (the plans of that profile, the cubin Triton would launch), so a
-kernel that the interpreter runs but NVIDIA's compiler rejects fails on a machine without a GPU.
+kernel that the interpreter runs but NVIDIA's compiler rejects, or whose cubin needs more shared
+memory than the profile's GPUs give a program, fails on a machine without a GPU.
 Both need ``TRITON_INTERPRET=0`` before Onca is imported, so that kernels are compiled
 ``JITFunction``s rather than interpreted ones: run them as ``onca audit --ascend`` / ``--cuda``.
 """
@@ -38,7 +39,7 @@ from onca.bench import harness
 from onca.bench.spec import build
 
 __all__ = ["ASCEND_TARGETS", "CUDA_TARGETS", "Launch", "collect", "compile_to_linalg", "compile_for_cuda",
-           "cubin_resources", "main"]
+           "cubin_resources", "shared_memory_error", "main"]
 
 # Each Onca profile, as the chip name triton-ascend targets. The 950 family is "Ascend910_95xx"
 # there and is compiled with ``compile_on_910_95``; the 910B parts share one code path.
@@ -47,9 +48,11 @@ ASCEND_TARGETS = {
     "ascend910b4": "Ascend910B4",
     "ascend950": "Ascend910_9589",
 }
-# Each GPU profile audited with --cuda, as its compute capability (H200 shares the H100's plans' shape
-# limits and architecture; one is enough).
-CUDA_TARGETS = {"h100": 90}
+# Each GPU profile audited with --cuda, as the compute capability compiled for. The H200 shares the
+# H100's plans' limits and architecture (one is enough); the generic profile, which every GPU that
+# is not an H100, H200 or A100 starts from, is compiled for sm_86 (its 99 KiB of shared memory is
+# the A10's, RTX 30's and sm_89's L4, L40S and RTX 40's; an sm_86 cubin also runs on sm_89).
+CUDA_TARGETS = {"h100": 90, "a100": 80, "cuda-generic": 86}
 # triton-ascend refuses to launch a grid of more programs than this (runtime/jit.py).
 MAX_GRID = 65535
 # The benchmarks' training dtype, and fp32, which takes other paths (e.g. embedding's atomic backward).
@@ -154,7 +157,9 @@ class CudaSpecializer:
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constants, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization,
                                                                  options)
-        key = (kernel, tuple(signature.items()), repr(constants), repr(attrs), repr(options))
+        # Two architectures can parse to the same options: the target is part of the key.
+        key = (kernel, self.backend.target.arch, tuple(signature.items()), repr(constants), repr(attrs),
+               repr(options))
         return key, Launch(kernel, signature, constants, attrs, False, cuda_options=options,
                            cuda_arch=self.backend.target.arch)
 
@@ -288,10 +293,23 @@ def _is_crash(exc: Exception) -> bool:
     return exc.returncode < 0 or "Assertion" in text
 
 
-def _check(launch: Launch) -> tuple[str | None, str | None, tuple[int, int] | None]:
+def shared_memory_error(launch: Launch, shared: int) -> str | None:
+    """Why a cubin holding ``shared`` bytes of shared memory a program cannot launch on one of the
+    GPU profiles that planned it (Triton's launcher refuses more than the device's
+    ``max_shared_mem``), or None. A profile's ``shared_bytes`` is the smallest such limit of the
+    GPUs it stands for; on a device, the device's own figure replaces it."""
+    for profile in sorted({u.split("/")[0] for u in launch.users}):
+        limit = device.PROFILES[profile].shared_bytes
+        if limit and shared > limit:
+            return f"{shared} bytes of shared memory a program, over the {profile} profile's {limit}"
+    return None
+
+
+def _check(launch: Launch) -> tuple[str | None, str | None, tuple[int, int, int] | None]:
     """``(error, crash, resources)``: error is None when the launch compiles (to Linalg, its grid
-    able to launch; or to a cubin), else why not; crash is the adapter's message when it crashed
-    once and then compiled; resources are a cubin's :func:`cubin_resources` (None for Ascend).
+    able to launch; or to a cubin within its profiles' shared memory), else why not; crash is the
+    adapter's message when it crashed once and then compiled; resources are a cubin's
+    :func:`cubin_resources` and its shared bytes a program (None for Ascend).
 
     triton-adapter-opt crashes at random on inputs that compile on the next try (an MLIR assertion
     on a malformed type, or a signal; one or two of about 1460 compilations per run, a different
@@ -304,7 +322,10 @@ def _check(launch: Launch) -> tuple[str | None, str | None, tuple[int, int] | No
             compiled = compile_for_cuda(launch)
         except Exception as exc:  # any compiler failure is the audit's finding
             return _error_message(exc), None, None
-        return None, None, cubin_resources(compiled.asm["cubin"])
+        shared = int(compiled.metadata.shared)
+        error = shared_memory_error(launch, shared)
+        resources = cubin_resources(compiled.asm["cubin"])
+        return error, None, None if resources is None else (*resources, shared)
     if launch.max_grid > MAX_GRID:
         return f"grid of {launch.max_grid} programs exceeds triton-ascend's limit of {MAX_GRID}", None, None
     crash = None
@@ -343,9 +364,10 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout, *, cuda: bool = Fal
             continue
         passed += 1
         if resources is not None:
-            registers, stack = resources
+            registers, stack, shared = resources
             spilled += stack > 0
-            print(f"{_line('ok', launch)}; regs {registers}, stack {stack}", file=out, flush=True)
+            print(f"{_line('ok', launch)}; regs {registers}, stack {stack}, shared {shared}", file=out,
+                  flush=True)
         elif crash is None:
             print(_line("ok", launch), file=out, flush=True)
         else:
