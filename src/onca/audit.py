@@ -74,6 +74,11 @@ class Launch:
     cuda_arch: int = 0  # --cuda: the compute capability compiled for
 
     @property
+    def profiles(self) -> list[str]:
+        """The profiles whose plans need this compilation (a user is ``profile/model``)."""
+        return sorted({u.split("/")[0] for u in self.users})
+
+    @property
     def name(self) -> str:
         return f"{self.kernel.fn.__module__.rsplit('.', 1)[-1]}.{self.kernel.fn.__name__}"
 
@@ -298,7 +303,7 @@ def shared_memory_error(launch: Launch, shared: int) -> str | None:
     GPU profiles that planned it (Triton's launcher refuses more than the device's
     ``max_shared_mem``), or None. A profile's ``shared_bytes`` is the smallest such limit of the
     GPUs it stands for; on a device, the device's own figure replaces it."""
-    for profile in sorted({u.split("/")[0] for u in launch.users}):
+    for profile in launch.profiles:
         limit = device.PROFILES[profile].shared_bytes
         if limit and shared > limit:
             return f"{shared} bytes of shared memory a program, over the {profile} profile's {limit}"
@@ -342,9 +347,8 @@ def _check(launch: Launch) -> tuple[str | None, str | None, tuple[int, int, int]
 
 
 def _line(status: str, launch: Launch) -> str:
-    profiles = sorted({u.split("/")[0] for u in launch.users})
     models = len({u.split("/")[1] for u in launch.users})
-    return (f"{status:4s} {launch.name} ({launch.describe_types()}) [{', '.join(profiles)}; "
+    return (f"{status:4s} {launch.name} ({launch.describe_types()}) [{', '.join(launch.profiles)}; "
             f"models: {models}] {launch.describe_constants()}")
 
 
