@@ -282,7 +282,7 @@ def test_wide_row_norm_forwards_keep_two_programs_per_sm(monkeypatch, profile_na
     try:
         for cap in (True, False):
             _, kwargs, plan = _launch.row_launch(_layer_norm_forward_kernel, 4096, cols, torch.bfloat16,
-                                                 FORWARD_TILES, {}, two_programs_per_unit=cap)
+                                                 FORWARD_TILES, {}, cap_registers=cap)
             want = cap and capped
             assert ("maxnreg" in kwargs) == want, (cap, kwargs)
             if want:
@@ -292,7 +292,36 @@ def test_wide_row_norm_forwards_keep_two_programs_per_sm(monkeypatch, profile_na
         device.reset()
 
 
-def test_layer_norms_16_bit_forward_asks_for_the_cap_and_agrees(monkeypatch, device):
+@pytest.mark.parametrize("profile_name, cols, sharing", [
+    ("h100", 1024, 2),   # 8-warp programs, two an SM: each capped at half the register file
+    ("h200", 2048, 2),
+    ("h100", 4096, 1),   # 16-warp programs (min_gpu_rows): one an SM, nothing to cap
+    ("ascend910b4", 1024, 1),  # not a GPU
+])
+def test_persistent_backward_caps_registers_for_the_programs_its_grid_counts_on(monkeypatch, profile_name,
+                                                                              cols, sharing):
+    from onca import device
+    from onca.ops._row_norm import backward_plan
+    from onca.ops.layer_norm import BACKWARD_TILES, _layer_norm_backward_kernel
+
+    monkeypatch.setenv("ONCA_DEVICE_PROFILE", profile_name)
+    device.reset()
+    try:
+        for cap in (True, False):
+            _, kwargs, plan = _launch.row_launch(_layer_norm_backward_kernel, 16384, cols, torch.bfloat16,
+                                                 BACKWARD_TILES, {}, plan=backward_plan, cap_registers=cap)
+            assert plan.persistent
+            want = cap and sharing > 1
+            assert ("maxnreg" in kwargs) == want, (cap, kwargs)
+            if want:
+                assert kwargs["maxnreg"] * sharing * 32 * kwargs["num_warps"] == 65536
+                assert plan.grid == sharing * device.get_profile().compute_units
+    finally:
+        monkeypatch.delenv("ONCA_DEVICE_PROFILE")
+        device.reset()
+
+
+def test_layer_norms_16_bit_forward_and_backward_ask_for_the_cap_and_agree(monkeypatch, device):
     # The interpreter takes the GPU profile's capped launch too (maxnreg is a compile option only).
     from onca import device as onca_device
     from onca.ops import _row_norm
@@ -300,9 +329,9 @@ def test_layer_norms_16_bit_forward_asks_for_the_cap_and_agrees(monkeypatch, dev
 
     asked = []
 
-    def spy(*args, two_programs_per_unit=False, **kwargs):
-        asked.append(two_programs_per_unit)
-        return _launch.row_launch(*args, two_programs_per_unit=two_programs_per_unit, **kwargs)
+    def spy(*args, cap_registers=False, **kwargs):
+        asked.append(cap_registers)
+        return _launch.row_launch(*args, cap_registers=cap_registers, **kwargs)
 
     monkeypatch.setattr(_row_norm, "row_launch", spy)
     monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
@@ -312,10 +341,15 @@ def test_layer_norms_16_bit_forward_asks_for_the_cap_and_agrees(monkeypatch, dev
             x = torch.randn(2, 16384, dtype=dtype, device=device)
             w = torch.rand(16384, dtype=dtype, device=device) + 0.5
             b = torch.randn(16384, dtype=dtype, device=device)
+            x.requires_grad_(True)
             y = layer_norm(x, w, b, 1e-5)
             ref = torch.nn.functional.layer_norm(x.float(), (16384,), w.float(), b.float(), 1e-5)
             torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=3e-2)
-        assert asked == [True, False]
+            dy = torch.randn_like(y)
+            (dx,) = torch.autograd.grad(y, x, dy)
+            (ref_dx,) = torch.autograd.grad(ref, x, dy.float())
+            torch.testing.assert_close(dx.float(), ref_dx.float(), rtol=2e-2, atol=3e-2)
+        assert asked == [True, True, False, False]  # forward, backward: bf16 capped, fp32 not
     finally:
         monkeypatch.delenv("ONCA_DEVICE_PROFILE")
         onca_device.reset()

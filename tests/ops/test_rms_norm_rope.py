@@ -272,3 +272,25 @@ def test_op_contract(device, affine):
 
     inputs = [t.requires_grad_() for t in (q, k, wq, wk)]
     assert_op_contract(fn, inputs, expect_ops={"rms_norm_rope_forward", "rms_norm_rope_backward"})
+
+
+def test_the_16_bit_backward_asks_for_the_register_cap(monkeypatch, device):
+    """Its bf16 backward is compiled for the registers its persistent grid's programs share (see
+    ``onca.ops._launch.row_launch``'s ``cap_registers``: measured faster on an H200); fp32 not."""
+    from onca.ops import _launch, _row_norm
+
+    asked = []
+
+    def spy(*args, cap_registers=False, **kwargs):
+        asked.append(cap_registers)
+        return _launch.row_launch(*args, cap_registers=cap_registers, **kwargs)
+
+    monkeypatch.setattr(_row_norm, "row_launch", spy)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k = heads(1, 3, 2, 1, 32, dtype, device)
+        q, k = leaf(q), leaf(k)
+        wq, wk = leaf(weight(32, dtype, device)), leaf(weight(32, dtype, device))
+        cos, sin = tables(1, 3, 32, dtype, device)
+        q_embed, k_embed = rms_norm_rope(q, k, wq, wk, cos, sin)
+        (q_embed.sum() + k_embed.sum()).backward()
+    assert asked == [False, True, False, False]  # forward, backward; bf16 then fp32

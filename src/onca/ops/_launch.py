@@ -86,34 +86,53 @@ def _plan_with_tiles(rows: int, cols: int, dtype: torch.dtype, tiles: dict):
 
 
 def row_launch(kernel, rows: int, cols: int, dtype: torch.dtype, tiles: dict, constexprs: dict,
-               plan=_plan_with_tiles, *, two_programs_per_unit: bool = False) -> tuple:
+               plan=_plan_with_tiles, *, cap_registers: bool = False) -> tuple:
     """``(grid, keyword arguments, plan)`` of a launch of the row kernel ``kernel`` over ``rows x
     cols`` of ``dtype``: the plan ``plan(rows, cols, dtype, tiles)`` (default: ``plan_rows`` with
     the kernel's tile counts) as the constexprs ``BLOCK_ROWS``, ``BLOCK_COLS`` and ``COL_TILES`` and
     its ``num_warps``, beside ``constexprs``. Kept by :func:`launch_config`, for the device profile
     in force.
 
-    ``two_programs_per_unit``: on a GPU, a one-pass tile of a non-persistent kernel in
-    ``_CAPPED_WARPS`` warps is compiled for at most the registers that let two programs share an SM
-    (``maxnreg``), for the kernels that measured faster so (the caller asks). Uncapped, LayerNorm's
-    bf16 forward of a 16384-column row took 85-89 registers a thread, one 512-thread program per
-    SM, 45% of the DRAM bandwidth: 0.43 ms at 16384 x 16384 on an H200, 0.28 capped (outputs
-    bitwise equal); capping 8-warp tiles, or 32-warp two-pass ones, measured slower, and RMSNorm's
-    forward, at 64 registers uncapped, slower capped."""
+    ``cap_registers``: on a GPU, compile for at most the registers (``maxnreg``) that let several
+    programs share an SM, for the kernels that measured faster so (the caller asks):
+
+    - a one-pass tile of a non-persistent kernel in ``_CAPPED_WARPS`` warps: two programs.
+      Uncapped, LayerNorm's bf16 forward of a 16384-column row took 85-89 registers a thread, one
+      512-thread program per SM, 45% of the DRAM bandwidth: 0.43 ms at 16384 x 16384 on an H200,
+      0.28 capped (outputs bitwise equal); capping 8-warp tiles, or 32-warp two-pass ones,
+      measured slower, and RMSNorm's forward, at 64 registers uncapped, slower capped.
+    - a persistent plan: the programs an SM its grid counts on (the profile's warps a unit over
+      the plan's warps), which run side by side only if they fit the register file together.
+      LayerNorm's bf16 backward took 153-162 registers a thread in 8 warps (two programs an SM
+      need at most 128), so half its grid waited: capped, forward + backward on an H200 (CUDA-graph
+      replays) 100.7 -> 89.2 us at 16384 x 1024, 119.6 -> 97.4 at 16384 x 2048 (56 bytes of stack at
+      1024 columns); RMSNorm + RoPE at Qwen3-0.6B 134.7 -> 112.5, at 4 x 16384 tokens of 16 + 8
+      heads 991.7 -> 808.3. RMSNorm's (128 registers uncapped), DyT's and PolyNorm's backward
+      measured 1-4% slower capped, fused add + RMSNorm's level."""
     profile = get_profile()
     key = (kernel, plan, rows, cols, dtype, profile, tuple(tiles.items()), tuple(constexprs.items()),
-           two_programs_per_unit)
+           cap_registers)
 
     def make():
         p = plan(rows, cols, dtype, tiles)
         kwargs = {**constexprs, "BLOCK_ROWS": p.block_rows, "BLOCK_COLS": p.block_cols,
                   "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
-        if (two_programs_per_unit and profile.kind == "cuda" and p.col_tiles == 1 and not p.persistent
-                and p.num_warps == _CAPPED_WARPS):
-            kwargs["maxnreg"] = register_cap(p.num_warps, programs_per_unit=2)
+        sharing = _programs_sharing_a_unit(p, profile) if cap_registers else 1
+        if sharing > 1:
+            kwargs["maxnreg"] = register_cap(p.num_warps, sharing)
         return (p.grid,), kwargs, p
 
     return launch_config(key, make)
+
+
+def _programs_sharing_a_unit(p, profile) -> int:
+    """The programs of plan ``p`` meant to share one SM (see ``row_launch``'s ``cap_registers``), or 1
+    where nothing is to be capped (another device, a plan of one program an SM)."""
+    if profile.kind != "cuda":
+        return 1
+    if p.persistent:
+        return max(1, profile.warps_per_unit // p.num_warps) if profile.warps_per_unit else 1
+    return 2 if p.col_tiles == 1 and p.num_warps == _CAPPED_WARPS else 1
 
 
 def register_cap(num_warps: int, programs_per_unit: int) -> int:

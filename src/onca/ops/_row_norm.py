@@ -51,26 +51,28 @@ def plans(shape, dtype: torch.dtype, forward_tiles: dict, backward_tiles: dict,
 
 
 def launch_forward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, *,
-                   two_programs_per_unit: bool = False, **constexprs) -> None:
+                   cap_registers: bool = False, **constexprs) -> None:
     """Launch a row-norm forward ``kernel(*args)`` over ``rows x cols`` of ``dtype``
-    (``two_programs_per_unit``: see :func:`onca.ops._launch.row_launch`)."""
+    (``cap_registers``: see :func:`onca.ops._launch.row_launch`)."""
     grid, kwargs, _ = row_launch(kernel, rows, cols, dtype, tiles, constexprs,
-                                 two_programs_per_unit=two_programs_per_unit)
+                                 cap_registers=cap_registers)
     kernel[grid](*args, **kwargs)
 
 
 def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tiles: dict, *,
-                    grad_dtypes, row_stats: int, stand_in: torch.Tensor, **constexprs) -> list:
+                    grad_dtypes, row_stats: int, stand_in: torch.Tensor, cap_registers: bool = False,
+                    **constexprs) -> list:
     """Launch a row-norm backward ``kernel(*args, *partials, scratch)``; return its parameter
     gradients, one per entry of ``grad_dtypes`` stored in that dtype (None where the entry is None:
     that gradient is not computed, and the kernel gets ``stand_in`` for its buffer).
 
     ``row_stats``: how many fp32 values per row the column-tiled path keeps between its two phases.
     ``stand_in``: an fp32 tensor on the device, passed for any buffer this plan never touches.
+    ``cap_registers``: see :func:`onca.ops._launch.row_launch` (the persistent plan's programs).
     """
     direct = rows * cols <= DIRECT_MAX_ELEMENTS
     grid, kwargs, p = row_launch(kernel, rows, cols, dtype, tiles, {**constexprs, "DIRECT_PARTIALS": direct},
-                                 plan=backward_plan)
+                                 plan=backward_plan, cap_registers=cap_registers)
     device = stand_in.device
     wanted = [d is not None for d in grad_dtypes]
     computed = [d for d in grad_dtypes if d is not None]

@@ -311,7 +311,7 @@ def rms_norm_rope_backward(dyq: Tensor, dyk: Tensor, q: Tensor, k: Tensor, q_wei
          *sin_strides, eps, offset),
         q_rows + k_rows, q.shape[-1], q.dtype, BACKWARD_TILES,
         grad_dtypes=(q_weight.dtype, k_weight.dtype) if has_weight else (None, None), row_stats=0,
-        stand_in=q.new_empty(0, dtype=torch.float32),
+        stand_in=q.new_empty(0, dtype=torch.float32), cap_registers=q.element_size() == 2,
         HALF=q.shape[-1] // 2, HAS_WEIGHT=has_weight, CASTING=casting,
     )
     return (dq, dk, *dw) if has_weight else (dq, dk, *_weight_grads_of_nothing(q, None, None))
