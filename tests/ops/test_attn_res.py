@@ -268,19 +268,25 @@ def test_plans_fit_ascend_for_every_model(name, dtype):
 
 def test_gpu_rows_plan(monkeypatch, device):
     """A GPU's plan: one row per program; the backward on the persistent grid the profile's warps
-    per unit allow (the H100's 16: 4 programs of 4 warps per unit), so that with more rows than
-    that some programs loop (540 rows on 528 programs)."""
+    per unit allow (the H100's 16: 4 programs of 4 warps per unit), or, for rows wider than
+    GPU_WIDE_COLS, the GPU_WIDE_PROGRAMS a unit whose registers fit; with more rows than programs
+    some programs loop (540 rows on 528 programs, 300 on 264)."""
     h100 = onca_device.profile_named("h100")
-    for cols in (1024, 4096):
+    for cols, grid in ((1024, 528), (2048, 528), (2560, 264), (4096, 264)):
         plans = op.plan((8, 1, 4096, cols), torch.bfloat16, h100)
         assert plans["forward"].block_rows == 1 and plans["forward"].grid == 4096
-        assert (plans["backward"].block_rows, plans["backward"].grid, plans["backward"].num_warps) == (1, 528, 4)
+        backward = plans["backward"]
+        assert (backward.block_rows, backward.grid, backward.num_warps) == (1, grid, 4)
+    ascend = onca_device.profile_named("ascend910b2")
+    assert op.plan((8, 1, 4096, 4096), torch.bfloat16, ascend)["backward"].grid == ascend.compute_units
     monkeypatch.setenv("ONCA_DEVICE_PROFILE", "h100")
     onca_device.reset()
     try:
-        shape = (3, 1, 540, 64) if SCALE == "cpu" else (8, 1, 540, 2048)
-        assert op.plan(shape, torch.bfloat16)["backward"].row_blocks_per_program == 2
-        check(*make(shape, torch.bfloat16, device))
+        shapes = ([(3, 1, 540, 64), (2, 1, 300, 2560)] if SCALE == "cpu"
+                  else [(8, 1, 540, 2048), (8, 1, 600, 4096)])
+        for shape in shapes:
+            assert op.plan(shape, torch.bfloat16)["backward"].row_blocks_per_program == 2
+            check(*make(shape, torch.bfloat16, device))
     finally:
         onca_device.reset()
 
