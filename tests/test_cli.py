@@ -346,6 +346,46 @@ def test_audit_fails_a_cubin_over_its_profiles_shared_memory(monkeypatch):
     assert audit._check(launch("cuda-generic")) == (None, None, (32, 0, 1024))
 
 
+def test_audit_finds_a_grid_with_more_programs_an_sm_than_fit_its_registers(monkeypatch):
+    """A bounded (persistent) grid of two programs an SM whose cubin needs more than half the SM's
+    registers runs them one after the other: the audit says so on the kernel's line and counts it,
+    without failing it. Unbounded grids (thousands of programs) and one program an SM are not
+    flagged."""
+    import io
+    import types
+
+    from onca import audit
+
+    units = onca_device.PROFILES["h100"].compute_units
+
+    def launch(grid, warps=8):
+        la = audit.Launch(kernel=None, signature={}, constants={}, attrs=None, on_910_95=False,
+                          cuda_options=types.SimpleNamespace(num_warps=warps), cuda_arch=90)
+        la.users.add("h100/llama-3-8b")
+        la.max_grid = grid
+        return la
+
+    assert audit.programs_short(launch(2 * units), 160) == (1, 2)
+    assert audit.programs_short(launch(2 * units), 128) is None  # two of 128 registers fit
+    assert audit.programs_short(launch(4 * units, warps=4), 216) == (2, 4)
+    assert audit.programs_short(launch(units), 255) is None  # one an SM: nothing waits
+    assert audit.programs_short(launch(4096), 255) is None  # a program a tile: no plan of co-residency
+    assert audit.programs_short(launch(1024), 255) is None  # a program a row of 1024 rows: not sized by units
+
+    compiled = types.SimpleNamespace(metadata=types.SimpleNamespace(shared=0), asm={"cubin": b""})
+    flagged = launch(2 * units)
+    flagged.kernel = type("Kernel", (), {"fn": types.SimpleNamespace(__module__="onca.ops.x", __name__="k"),
+                                         "params": []})()
+    monkeypatch.setattr(audit, "collect", lambda ops, profiles: ({"k": flagged}, []))
+    monkeypatch.setattr(audit, "compile_for_cuda", lambda la: compiled)
+    monkeypatch.setattr(audit, "cubin_resources", lambda cubin: (160, 0))
+    out = io.StringIO()
+    assert audit.run(["x"], ["h100"], out, cuda=True) == 0
+    text = out.getvalue()
+    assert "regs 160, stack 0, shared 0; 1 of the 2 programs an SM its grid has fit" in text
+    assert "1 whose grid has more programs an SM than their registers let fit" in text
+
+
 def test_audit_covers_every_ascend_profile():
     from onca import audit
 

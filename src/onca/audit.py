@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -175,7 +176,10 @@ def _recording_cuda(backend, user: str, launches: dict):
 
     def record(kernel, *args, grid, warmup, **kwargs):
         key, launch = specialize(kernel, *args, **kwargs)
-        launches.setdefault(key, launch).users.add(user)
+        launch = launches.setdefault(key, launch)
+        launch.users.add(user)
+        if not callable(grid):  # Onca's launches pass tuples; a callable grid's size is not known here
+            launch.max_grid = max(launch.max_grid, math.prod(grid))
 
     return _launches_replaced_by(record)
 
@@ -310,6 +314,30 @@ def shared_memory_error(launch: Launch, shared: int) -> str | None:
     return None
 
 
+# An NVIDIA SM's register file (32-bit registers), on every architecture the GPU profiles stand for.
+SM_REGISTERS = 65536
+# A grid sized by the unit count (a whole number of programs a unit, at most this many, at the
+# largest model shape) is a planned (persistent) grid: it counts on that many programs sharing a
+# unit. A grid of a program a tile has thousands of programs at model shapes, and no such plan.
+BOUNDED_PROGRAMS_PER_UNIT = 8
+
+
+def programs_short(launch: Launch, registers: int) -> tuple[int, int] | None:
+    """``(fit, planned)`` where a bounded grid has ``planned`` programs an SM (at the largest model
+    shape) but only ``fit`` of them fit its register file at ``registers`` a thread (the rest wait
+    for a later wave: a persistent grid's plan counted on them running side by side), else None.
+    Not a failure: a register cap may spill and run slower (measured per kernel, ``onca.ops._launch.
+    row_launch``'s ``cap_registers``); the count shows where to look. LayerNorm's bf16 backward was
+    such a kernel (160 registers in 8 warps, one of two an SM): capped, 1.13-1.23x faster."""
+    units = min(device.PROFILES[p].compute_units for p in launch.profiles)
+    warps = getattr(launch.cuda_options, "num_warps", 4)
+    planned, rest = divmod(launch.max_grid, units)
+    if rest or planned < 2 or planned > BOUNDED_PROGRAMS_PER_UNIT:
+        return None
+    fit = SM_REGISTERS // (max(1, registers) * 32 * warps)
+    return (fit, planned) if fit < planned else None
+
+
 def _check(launch: Launch) -> tuple[str | None, str | None, tuple[int, int, int] | None]:
     """``(error, crash, resources)``: error is None when the launch compiles (to Linalg, its grid
     able to launch; or to a cubin within its profiles' shared memory), else why not; crash is the
@@ -359,7 +387,7 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout, *, cuda: bool = Fal
     launches, failures = collect(ops, profiles)
     for failure in failures:
         print(failure, file=out, flush=True)
-    passed = flaky = spilled = 0
+    passed = flaky = spilled = short = 0
     for launch in sorted(launches.values(), key=Launch.sort_key):
         error, crash, resources = _check(launch)
         if error is not None:
@@ -370,7 +398,10 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout, *, cuda: bool = Fal
         if resources is not None:
             registers, stack, shared = resources
             spilled += stack > 0
-            print(f"{_line('ok', launch)}; regs {registers}, stack {stack}, shared {shared}", file=out,
+            waits = programs_short(launch, registers)
+            short += waits is not None
+            note = "" if waits is None else f"; {waits[0]} of the {waits[1]} programs an SM its grid has fit"
+            print(f"{_line('ok', launch)}; regs {registers}, stack {stack}, shared {shared}{note}", file=out,
                   flush=True)
         elif crash is None:
             print(_line("ok", launch), file=out, flush=True)
@@ -380,7 +411,8 @@ def run(ops: list[str], profiles: list[str], out=sys.stdout, *, cuda: bool = Fal
     kernels = len({la.kernel for la in launches.values()})
     if cuda:
         # A spill is not a failure: the plan was timed on the device; the count shows where to look.
-        reached = f"compiled to a cubin ({len(failures)} failures, {spilled} spilling registers to the stack"
+        reached = (f"compiled to a cubin ({len(failures)} failures, {spilled} spilling registers to the "
+                   f"stack, {short} whose grid has more programs an SM than their registers let fit")
         tail = "the kernels were not run"
     else:
         reached = f"reached Linalg ({len(failures)} failures, {flaky} compiled after an adapter crash"
