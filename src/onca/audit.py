@@ -38,6 +38,7 @@ import torch
 from onca import device
 from onca.bench import harness
 from onca.bench.spec import build
+from onca.ops._launch import programs_fitting
 
 __all__ = ["ASCEND_TARGETS", "CUDA_TARGETS", "Launch", "collect", "compile_to_linalg", "compile_for_cuda",
            "cubin_resources", "shared_memory_error", "main"]
@@ -314,8 +315,6 @@ def shared_memory_error(launch: Launch, shared: int) -> str | None:
     return None
 
 
-# An NVIDIA SM's register file (32-bit registers), on every architecture the GPU profiles stand for.
-SM_REGISTERS = 65536
 # A grid sized by the unit count (a whole number of programs a unit, at most this many, at the
 # largest model shape) is a planned (persistent) grid: it counts on that many programs sharing a
 # unit. A grid of a program a tile has thousands of programs at model shapes, and no such plan.
@@ -334,7 +333,7 @@ def programs_short(launch: Launch, registers: int) -> tuple[int, int] | None:
     planned, rest = divmod(launch.max_grid, units)
     if rest or planned < 2 or planned > BOUNDED_PROGRAMS_PER_UNIT:
         return None
-    fit = SM_REGISTERS // (max(1, registers) * 32 * warps)
+    fit = programs_fitting(registers, warps)
     return (fit, planned) if fit < planned else None
 
 

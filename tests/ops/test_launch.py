@@ -315,6 +315,7 @@ def test_persistent_backward_caps_registers_for_the_programs_its_grid_counts_on(
             assert ("maxnreg" in kwargs) == want, (cap, kwargs)
             if want:
                 assert kwargs["maxnreg"] * sharing * 32 * kwargs["num_warps"] == 65536
+                assert _launch.programs_fitting(kwargs["maxnreg"], kwargs["num_warps"]) == sharing
                 assert plan.grid == sharing * device.get_profile().compute_units
     finally:
         monkeypatch.delenv("ONCA_DEVICE_PROFILE")

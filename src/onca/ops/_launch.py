@@ -43,8 +43,8 @@ import torch
 from onca.device import get_profile
 from onca.tiling import plan_rows
 
-__all__ = ["FastLaunch", "fast_launch", "launch_config", "prepared_key", "register_cap", "row_launch",
-           "specialization_key", "through_triton"]
+__all__ = ["FastLaunch", "fast_launch", "launch_config", "prepared_key", "programs_fitting", "register_cap",
+           "row_launch", "specialization_key", "through_triton"]
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _UINT64_MIN = 1 << 63
@@ -139,6 +139,12 @@ def register_cap(num_warps: int, programs_per_unit: int) -> int:
     """The ``maxnreg`` launch option (32-bit registers a thread) that lets ``programs_per_unit``
     programs of ``num_warps`` warps share an NVIDIA SM's register file (at most 255, the ISA's)."""
     return min(255, _GPU_REGISTERS_PER_UNIT // (programs_per_unit * 32 * num_warps))
+
+
+def programs_fitting(registers: int, num_warps: int) -> int:
+    """How many programs of ``num_warps`` warps at ``registers`` a thread an NVIDIA SM's register
+    file holds side by side (the inverse of :func:`register_cap`)."""
+    return _GPU_REGISTERS_PER_UNIT // (max(1, registers) * 32 * num_warps)
 
 
 class _Runtime:
