@@ -1,7 +1,8 @@
 """Time an op's kernel variants side by side in one process, at its benchmark's points.
 
     python -m tools.kernel_variants SPEC.json [--points 8192,llama-3-8b] [--mode full] [--rounds 2]
-                                              [--peers liger,torch_compile] [--device-time] [--out FILE.json]
+                                              [--peers liger,torch_compile] [--device-time] [--memory]
+                                              [--out FILE.json]
 
 ``SPEC.json`` names the op and its variants, each a list of text substitutions in the op's module
 (``src/onca/ops/<op>.py``)::
@@ -217,7 +218,7 @@ def _device_time_once(factory, params, inputs, leaves, mode: str, device: str) -
 
 def time_points(bench, module, variants: dict, points: list, *, device: str, dtype=torch.bfloat16,
                 mode: str = "full", rounds: int = 2, peers: tuple = (), device_time: bool = False,
-                constants_only: frozenset = frozenset(), report=print) -> dict:
+                constants_only: frozenset = frozenset(), memory: bool = False, report=print) -> dict:
     """``{x: {name: ms}}`` for the base, every variant and every peer, at each ``(x, params)``;
     ``device_time`` (GPU only): each call replayed from a CUDA graph instead of timed as called.
     A variant named in ``constants_only`` (its substitutions change no kernel) that launches with
@@ -225,7 +226,9 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
     not reach the launches (a constant read once at import, or one that changes nothing at this
     point), so it times the base again.
     Where the op's launchers cache no configurations (they plan at each call: fused MoE's grouped
-    GEMMs), there is nothing to compare, and the report says it was not checked."""
+    GEMMs), there is nothing to compare, and the report says it was not checked. ``memory`` (GPU
+    only): each one's peak memory of one call too (the harness's, inputs included), under
+    ``"<x> peak MB"``."""
     on_gpu = torch.device(device).type == "cuda"
     device_time = device_time and on_gpu
     results = {}
@@ -270,7 +273,20 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
         # The base's time over each one's: above 1, faster than the base.
         ratios = "  ".join(f"{n} {ms:.3f} ({best['base'] / ms:.2f}x)" for n, ms in best.items())
         report(f"{x}: {ratios}")
+        if memory and on_gpu:
+            peaks = {}
+            for name, (factory, names) in providers.items():
+                with swapped(module, names):
+                    peaks[name] = _peak_mb(factory, params, inputs, mode, device)
+            results[f"{x} peak MB"] = peaks
+            report(f"{x} peak MB: " + "  ".join(f"{n} {mb:.1f}" for n, mb in peaks.items()))
     return results
+
+
+def _peak_mb(factory, params, inputs, mode: str, device: str) -> float:
+    """The harness's peak memory of one call of ``mode`` (MB, the inputs included)."""
+    timer = harness.Harness(harness.Settings(device=device), progress=False)
+    return float(timer._peak_memory(build(factory, params, inputs, mode), mode, inputs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device-time", action="store_true",
                         help="time each call replayed from a CUDA graph (the host path left out)")
+    parser.add_argument("--memory", action="store_true",
+                        help="also measure each one's peak memory of one call (the harness's, inputs included)")
     parser.add_argument("--out", help="write the times (ms) to this JSON file")
     args = parser.parse_args(argv)
     spec = json.load(open(args.spec))
@@ -310,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = tuple(p for p in args.peers.split(",") if p)
         results = time_points(bench, module, variants, points, device=device, dtype=dtype, mode=args.mode,
                               rounds=args.rounds, peers=peers, device_time=args.device_time,
-                              constants_only=constants_only)
+                              constants_only=constants_only, memory=args.memory)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

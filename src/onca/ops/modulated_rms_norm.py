@@ -55,7 +55,7 @@ __all__ = ["modulated_rms_norm", "plan"]
 FORWARD_TILES = dict(live_tiles=5, fp32_tiles=3, max_block_cols=8192, gpu_whole_two_pass=True)
 # x, dy, w, scale, dx; x, dy, n, r, dn, dx and the dW / dscale / dshift column sums in fp32.
 BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=8)
-# Elements of a backward tile on a GPU at most, two programs per compute unit. H100, bf16, forward +
+# Elements of a backward tile on a GPU at most (GPU_BACKWARD_PROGRAMS a unit). H100, bf16, forward +
 # backward with 4 modulation rows, 16384 tokens: 4096-element tiles (4 warps) against the planner's
 # 8192-element tiles of 8 warps, device time: hidden 1024 (4 rows a tile) 0.097 against 0.148 ms,
 # hidden 4096 (1 row) 0.307 against 0.313; four programs per unit took 0.119 and over 0.33 ms.
@@ -64,6 +64,13 @@ BACKWARD_TILES = dict(live_tiles=5, fp32_tiles=8)
 # 0.534, 4096 0.465 against 0.501, 8192 equal (0.669); liger-kernel 0.69-0.86 there. At hidden
 # 4096 the 4096-element tile spilled on sm_90 (255 registers, 224 bytes of stack); this one does not.
 GPU_BACKWARD_TILE = 8192
+# Backward programs a compute unit for those rows (the persistent grid's cap). One: the 8-warp
+# tile takes 211-246 registers a thread on sm_90 (onca audit --cuda), so a second program never fit
+# beside it and only doubled the partial rows and slots. H200, bf16, forward + backward (CUDA-graph
+# replays, tools/kernel_variants.py, the benchmark's points), two programs a unit against one: hidden
+# 3072 at 1024 tokens 0.036 -> 0.033 ms and 25.9 -> 22.1 MB peak (liger-kernel 20.2), at 16384
+# 0.248 -> 0.241; hidden 4096 0.271 -> 0.262, 5376 0.538 -> 0.525, 8192 0.600 -> 0.585.
+GPU_BACKWARD_PROGRAMS = 1
 # Wider rows on a GPU: column tiles of at most GPU_WIDE_BACKWARD_COLS, compiled for the registers
 # that let GPU_WIDE_BACKWARD_PROGRAMS programs share an SM (maxnreg). H200, bf16, fwd+bwd at 16384 x
 # 16384 (CUDA-graph replay): 1.594 against 1.772 ms for the planner's 4096-column tiles (255
@@ -315,8 +322,8 @@ def _slot_sum_plan(mod_rows: int, cols: int, profile=None) -> RowPlan:
 
 def _backward_plan(rows: int, cols: int, dtype: torch.dtype, mod_rows: int, profile=None) -> RowPlan:
     """A persistent plan whose row blocks never straddle two modulation rows; on a GPU, rows of at
-    most ``GPU_BACKWARD_TILE`` elements take tiles of that size, two programs per compute unit, and
-    wider rows column tiles of at most ``GPU_WIDE_BACKWARD_COLS``."""
+    most ``GPU_BACKWARD_TILE`` elements take tiles of that size, ``GPU_BACKWARD_PROGRAMS`` programs a
+    compute unit, and wider rows column tiles of at most ``GPU_WIDE_BACKWARD_COLS``."""
     rows_per_mod = rows // mod_rows
     grouped = 1 < mod_rows < rows
     # The largest power of two dividing rows_per_mod (its lowest set bit).
@@ -327,7 +334,7 @@ def _backward_plan(rows: int, cols: int, dtype: torch.dtype, mod_rows: int, prof
     if _gpu_wide_backward(cols, profile):
         tiles = dict(BACKWARD_TILES, max_block_cols=GPU_WIDE_BACKWARD_COLS)
     elif profile.kind == "cuda":
-        gpu_rows, programs = GPU_BACKWARD_TILE // next_power_of_2(cols), 2 * profile.compute_units
+        gpu_rows, programs = GPU_BACKWARD_TILE // next_power_of_2(cols), GPU_BACKWARD_PROGRAMS * profile.compute_units
     return plan_rows(rows, cols, dtype, profile=profile, persistent=True, max_block_rows=cap,
                      max_gpu_rows=gpu_rows, max_programs=programs, **tiles)
 
