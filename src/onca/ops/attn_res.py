@@ -82,7 +82,10 @@ GPU_ROWS = 1
 # an SM's register file, and the planner's four a unit left half the grid waiting, with twice the
 # partial rows. H200, bf16, N = 8, forward + backward (CUDA-graph replays): Llama-3-8B 351.9 ->
 # 345.4 us, Gemma-2-9B 328.2 -> 320.1, Llama-3.1-405B 1745.5 -> 1728.0, 4 MB less peak memory at
-# 4096 columns; at 1024 and 2048 columns (80 and 126 registers) it was 25% and 16% slower.
+# 4096 columns; at 1024 and 2048 columns (80 and 126 registers) it was 25% and 16% slower. At
+# 8192 columns the tile is 8 warps (216 registers: one program fits); one program an SM there
+# measured within 1% (H200, same timing: Llama-3-70B 0.741 -> 0.737 ms, Gemma-3-27B 0.665 -> 0.659)
+# and 0.74-0.78x at 4096 and 16384 columns, so the grid keeps one rule.
 GPU_WIDE_COLS = 2048
 GPU_WIDE_PROGRAMS = 2
 
