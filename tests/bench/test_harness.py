@@ -311,6 +311,23 @@ def test_a_call_that_synchronises_gets_no_device_time_and_breaks_nothing_after_i
     assert torch.randn(8, device="cuda").shape == (8,)
     assert h._device_ms(lambda: x * 2.0, [x], "full") > 0
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode", ["forward", "backward", "full"])
+def test_every_mode_of_an_op_gets_its_device_time_and_breaks_nothing_after_it(mode):
+    """Each mode of a Triton op is captured: the backward mode's forward runs outside the capture,
+    and autograd launches each backward kernel on its forward's stream, so that forward must be on
+    the capturing stream (on the default stream the capture failed, and every point of a sweep
+    after it raised "Offset increment outside graph capture")."""
+    from onca.ops.rms_norm import rms_norm
+
+    settings = harness.Settings(device="cuda", dtype=torch.float32, providers=("onca",))
+    h = harness.Harness(settings, progress=False)
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    w = torch.ones(512, device="cuda", requires_grad=True)
+    assert h._device_ms(lambda: rms_norm(x, w), [x, w], mode) > 0
+    assert torch.randn(8, device="cuda").shape == (8,)
+
 def test_plot_draws_a_categorical_sweep_as_bars_and_a_limit_hatched(tmp_path, monkeypatch):
     import matplotlib.axes
 

@@ -376,10 +376,14 @@ class Harness:
 
         graph = None
         try:
-            step = self._step(run, leaves, mode)
-            side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graphs asks
+            # Warm-up off the default stream, as torch.cuda.graphs asks, and the capture on that
+            # same stream: autograd runs each backward op on its forward op's stream, so the
+            # backward mode's forward (run once, outside the capture) must be on the capturing
+            # stream, or its backward launches on the default stream and the capture fails.
+            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
+                step = self._step(run, leaves, mode)
                 step()
                 synchronises = _synchronises(step)
             torch.cuda.current_stream().wait_stream(side)
@@ -389,7 +393,7 @@ class Harness:
                 # outside graph capture" (the rest of a sweep's inputs could not be made).
                 return None
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 step()
             ms = triton.testing.do_bench(graph.replay, warmup=self.settings.warmup_ms,
                                          rep=self.settings.rep_ms, return_mode="median")
