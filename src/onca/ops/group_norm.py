@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onca.device import DeviceProfile
+from onca.device import DeviceProfile, get_profile
 from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
-from onca.ops._launch import fast_launch
+from onca.ops._launch import fast_launch, launch_config
 from onca.ops._partials import fill_wanted, sum_partials
 from onca.ops._validate import check_float, check_number, check_same_device
 from onca.tiling import RowPlan, next_power_of_2, plan_rows
@@ -281,6 +281,30 @@ def _launch_args(p: RowPlan, units: int) -> tuple[tuple, dict]:
                                    "COL_TILES": p.col_tiles, "num_warps": p.num_warps}
 
 
+def _forward_launch(n_groups: int, ch_per_group: int, n_pos: int, dtype) -> tuple[tuple, dict]:
+    """The forward's ``(grid, constexprs)``, kept per shape, dtype and profile (``launch_config``):
+    planning them again cost more host time per call than the launch at the sizes the host decides."""
+    def make():
+        p = _plan(n_groups, ch_per_group, n_pos, dtype, FORWARD_TILES)
+        grid, constexprs = _launch_args(p, n_groups)
+        constexprs["CH_BLOCKS"] = -(-ch_per_group // p.block_rows)
+        return grid, constexprs
+
+    return launch_config(("group_norm_forward", n_groups, ch_per_group, n_pos, dtype, get_profile()), make)
+
+
+def _backward_launch(n_groups: int, ch_per_group: int, n_pos: int, dtype) -> tuple[tuple, dict, int]:
+    """The backward's ``(grid, constexprs, slices per group)``, kept as the forward's."""
+    def make():
+        p = _plan(n_groups, ch_per_group, n_pos, dtype, BACKWARD_TILES)
+        slices, per_slice = _slices(p, n_groups, ch_per_group)
+        grid, constexprs = _launch_args(p, n_groups * slices)
+        constexprs.update(SLICES_P2=next_power_of_2(slices), SLICE_BLOCKS=per_slice)
+        return grid, constexprs, slices
+
+    return launch_config(("group_norm_backward", n_groups, ch_per_group, n_pos, dtype, get_profile()), make)
+
+
 def _slice_sums_buffer(n_groups: int, slices: int, stand_in: Tensor) -> Tensor:
     """Two fp32 sums per slice; ``stand_in`` (an fp32 tensor, never read) where groups are whole."""
     if slices == 1:
@@ -304,13 +328,11 @@ def group_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, nu
     rstd = torch.empty_like(mean)
     if x.numel() == 0:
         return y, mean.zero_(), rstd.zero_()
-    p = _plan(n_groups, ch_per_group, n_pos, x.dtype, FORWARD_TILES)
-    grid, constexprs = _launch_args(p, n_groups)
+    grid, constexprs = _forward_launch(n_groups, ch_per_group, n_pos, x.dtype)
     _group_norm_forward_kernel[grid](
         x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd,
         n_groups, num_groups, ch_per_group, n_pos, eps,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CH_BLOCKS=-(-ch_per_group // p.block_rows),
-        **constexprs,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **constexprs,
     )
     return y, mean, rstd
 
@@ -339,11 +361,8 @@ def group_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tens
     wanted = (compute_dw, compute_db)
     computed = [t.dtype for t, need in zip((weight, bias), wanted) if need]
     planes = torch.empty((len(computed), batch, channels), dtype=torch.float32, device=x.device)
-    sums = fill_wanted(wanted, planes, rstd)
-    p = _plan(n_groups, ch_per_group, n_pos, x.dtype, BACKWARD_TILES)
-    slices, per_slice = _slices(p, n_groups, ch_per_group)
-    grid, constexprs = _launch_args(p, n_groups * slices)
-    constexprs.update(SLICES_P2=next_power_of_2(slices), SLICE_BLOCKS=per_slice)
+    sums = fill_wanted(wanted, planes.unbind(0), rstd)
+    grid, constexprs, slices = _backward_launch(n_groups, ch_per_group, n_pos, x.dtype)
     part = _slice_sums_buffer(n_groups, slices, rstd)
     for phase in _phases(slices):
         _group_norm_backward_kernel[grid](
