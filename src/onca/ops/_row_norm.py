@@ -82,7 +82,7 @@ def launch_backward(kernel, args, rows: int, cols: int, dtype: torch.dtype, tile
     else:
         # One buffer with a plane per computed gradient: one fill, and one summing launch below.
         planes = partial_buffer(p.grid, cols, device, planes=len(computed))
-        buffers = list(planes)
+        buffers = planes.unbind(0)
     partials = fill_wanted(wanted, buffers, stand_in)
     scratch = stand_in if p.single_pass else torch.empty(row_stats * rows, dtype=torch.float32, device=device)
     kernel[grid](*args, *partials, scratch, **kwargs)
