@@ -334,7 +334,8 @@ def _backward_plan(rows: int, cols: int, dtype: torch.dtype, mod_rows: int, prof
     if _gpu_wide_backward(cols, profile):
         tiles = dict(BACKWARD_TILES, max_block_cols=GPU_WIDE_BACKWARD_COLS)
     elif profile.kind == "cuda":
-        gpu_rows, programs = GPU_BACKWARD_TILE // next_power_of_2(cols), GPU_BACKWARD_PROGRAMS * profile.compute_units
+        gpu_rows = GPU_BACKWARD_TILE // next_power_of_2(cols)
+        programs = GPU_BACKWARD_PROGRAMS * profile.compute_units
     return plan_rows(rows, cols, dtype, profile=profile, persistent=True, max_block_rows=cap,
                      max_gpu_rows=gpu_rows, max_programs=programs, **tiles)
 
