@@ -211,8 +211,7 @@ def _time_once(fn, on_gpu: bool) -> float:
 def _device_time_once(factory, params, inputs, leaves, mode: str, device: str) -> float:
     """Milliseconds of one call replayed from a CUDA graph (the harness's device time: the host
     path left out); inf where the call cannot be captured."""
-    timer = harness.Harness(harness.Settings(device=device), progress=False)
-    ms = timer._device_ms(build(factory, params, inputs, mode), leaves, mode)
+    ms = _measurer(device)._device_ms(build(factory, params, inputs, mode), leaves, mode)
     return float("inf") if ms is None else ms
 
 
@@ -285,8 +284,13 @@ def time_points(bench, module, variants: dict, points: list, *, device: str, dty
 
 def _peak_mb(factory, params, inputs, mode: str, device: str) -> float:
     """The harness's peak memory of one call of ``mode`` (MB, the inputs included)."""
-    timer = harness.Harness(harness.Settings(device=device), progress=False)
-    return float(timer._peak_memory(build(factory, params, inputs, mode), mode, inputs))
+    return float(_measurer(device)._peak_memory(build(factory, params, inputs, mode), mode, inputs))
+
+
+def _measurer(device: str):
+    """A harness on ``device`` with its default settings: its device-time and peak-memory methods
+    measure a variant as a sweep would."""
+    return harness.Harness(harness.Settings(device=device), progress=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -328,6 +328,7 @@ def test_every_mode_of_an_op_gets_its_device_time_and_breaks_nothing_after_it(mo
     assert h._device_ms(lambda: rms_norm(x, w), [x, w], mode) > 0
     assert torch.randn(8, device="cuda").shape == (8,)
 
+
 def test_plot_draws_a_categorical_sweep_as_bars_and_a_limit_hatched(tmp_path, monkeypatch):
     import matplotlib.axes
 
