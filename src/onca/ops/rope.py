@@ -92,6 +92,13 @@ MROPE_GPU_WARPS = 2
 # 0.109 / 0.113.
 INTERLEAVED_GPU_WARPS = 2
 
+# Tokens of a GPU program's tile at most. The planner gave Qwen3-0.6B's 16 + 8 heads two tokens a
+# tile (64 registers a thread, half the SM's warps resident: ncu); one token, H200, bf16, fwd+bwd in
+# place at 4 x 2048 tokens (CUDA-graph replay): 0.066 -> 0.061 ms (liger-kernel 0.058); every other
+# benchmark point already had one. Compiling for all 16 four-warp programs an SM (``maxnreg`` 32,
+# liger-kernel's kernel takes 32 registers) spilled: 0.84-0.90x at head dim 256 and Llama-3.1-405B.
+GPU_MAX_TOKENS = 1
+
 
 def _head_block(heads: int, widest: int, gpu: bool) -> int:
     """The heads a program rotates per loop step for one side (q or k): ``widest`` (on a GPU at
@@ -363,7 +370,7 @@ def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile) 
     half = rotary_dim // 2
     half_pad = next_power_of_2(half)
     heads = max(n_q_heads, n_kv_heads)
-    p = plan_rows(tokens, heads * half_pad, dtype, profile=profile, **TILES)
+    p = plan_rows(tokens, heads * half_pad, dtype, profile=profile, max_gpu_rows=GPU_MAX_TOKENS, **TILES)
     block_j = min(half_pad, p.block_cols)
     block_h = p.block_cols // block_j
     gpu = profile.kind == "cuda"
