@@ -237,6 +237,22 @@ def test_gpu_programs_step_over_heads_eight_at_a_time():
         assert op.tiles(8192, 4, 2, 128, 128, torch.bfloat16, PROFILES[name]).block_hq == 4
 
 
+@pytest.mark.parametrize("hq, hk, head_dim, interleaved, tokens", [
+    (16, 8, 128, False, 1),   # Qwen3-0.6B: the planner's two tokens cut to one (8 x 64-column steps)
+    (32, 8, 64, False, 2),    # Llama-3.2-1B: 8 x 32-column steps, two tokens fit GPU_STEP_ELEMENTS
+    (16, 8, 128, True, 2),    # Llama 4's pairs keep the planner's tokens
+])
+def test_gpu_tiles_hold_at_most_step_elements(hq, hk, head_dim, interleaved, tokens):
+    for name in ("h100", "h200"):
+        t = op.tiles(8192, hq, hk, head_dim, head_dim, torch.bfloat16, PROFILES[name], interleaved)
+        assert t.block_t == tokens, name
+        if not interleaved:
+            assert t.block_t * t.block_hq * t.block_j <= op.GPU_STEP_ELEMENTS
+    # The planner's own choice, which the cut changes only where it is wider.
+    assert op.tiles(8192, 16, 8, 128, 128, torch.bfloat16, PROFILES["h200"], True).block_t == 2
+    assert op.plan((4, 2048, 16, 8, 128), torch.bfloat16, PROFILES["h200"])["forward"].block_rows == 1
+
+
 @pytest.mark.parametrize("hq, hk, blocks", [(28, 4, (4, 4)), (12, 2, (4, 2)), (20, 4, (4, 4)),
                                             (14, 2, (8, 2)), (40, 8, (8, 8)), (3, 1, (4, 1)),
                                             (6, 6, (8, 8))])

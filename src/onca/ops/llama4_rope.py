@@ -36,8 +36,8 @@ _COMPLEX = (torch.complex64, torch.complex128)
 
 def plan(shape, dtype: torch.dtype, profile=None) -> dict[str, RowPlan]:
     """The plans for ``shape = (batch, seq, q_heads, kv_heads, head_dim)``: RoPE's tile (the pairs
-    are adjacent instead of half a head apart; the tile is the same)."""
-    return _rope.plan(shape, dtype, profile)
+    are adjacent instead of half a head apart; the tile is RoPE's interleaved one)."""
+    return _rope.plan(shape, dtype, profile, interleaved=True)
 
 
 def _tables(freqs_cis: Tensor) -> tuple[Tensor, Tensor]:

@@ -92,12 +92,16 @@ MROPE_GPU_WARPS = 2
 # 0.109 / 0.113.
 INTERLEAVED_GPU_WARPS = 2
 
-# Tokens of a GPU program's tile at most. The planner gave Qwen3-0.6B's 16 + 8 heads two tokens a
-# tile (64 registers a thread, half the SM's warps resident: ncu); one token, H200, bf16, fwd+bwd in
-# place at 4 x 2048 tokens (CUDA-graph replay): 0.066 -> 0.061 ms (liger-kernel 0.058); every other
-# benchmark point already had one. Compiling for all 16 four-warp programs an SM (``maxnreg`` 32,
-# liger-kernel's kernel takes 32 registers) spilled: 0.84-0.90x at head dim 256 and Llama-3.1-405B.
-GPU_MAX_TOKENS = 1
+# Elements of a GPU program's (tokens x heads x half-width) step at most, in the rotate-half
+# layout: the planner's tokens a tile are cut to fit. H200, bf16, fwd+bwd in place at 4 x 2048 tokens
+# (CUDA-graph replay), one token against the planner's two, ms: Qwen3-0.6B's 16 + 8 heads of 128
+# 0.060 / 0.065 (ncu: two tokens took 64 registers a thread, half the SM's warps resident), M-RoPE
+# there 0.063 / 0.067 (liger-kernel 0.058, 0.061); at head dim 64 (Llama-3.2-1B, 8 x 32-column
+# steps) two tokens stay faster, 0.052 / 0.055, and so do Llama 4's pairs (INTERLEAVED) at both
+# shapes, 0.051 / 0.054 and 0.061 / 0.063: the planner keeps those. Compiling for all 16 four-warp
+# programs an SM instead (``maxnreg`` 32, liger-kernel's kernel takes 32 registers) spilled:
+# 0.84-0.90x at head dim 256 and Llama-3.1-405B.
+GPU_STEP_ELEMENTS = 512
 
 
 def _head_block(heads: int, widest: int, gpu: bool) -> int:
@@ -356,21 +360,24 @@ def _widest(*dtypes: torch.dtype) -> torch.dtype:
 
 
 def tiles(tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dim: int,
-          dtype: torch.dtype, profile: DeviceProfile | None = None) -> RopeTiles:
+          dtype: torch.dtype, profile: DeviceProfile | None = None, interleaved: bool = False) -> RopeTiles:
     """The tile the kernel uses for these sizes on ``profile`` (default: the detected one).
 
-    ``dtype`` is the widest of the tensors the kernel reads and writes (q, k and their outputs).
+    ``dtype`` is the widest of the tensors the kernel reads and writes (q, k and their outputs);
+    ``interleaved``: Llama 4's adjacent pairs (:data:`GPU_STEP_ELEMENTS` does not apply).
     """
     return _tiles(int(tokens), int(n_q_heads), int(n_kv_heads), int(head_dim), int(rotary_dim), dtype,
-                  profile or get_profile())
+                  profile or get_profile(), bool(interleaved))
 
 
 @functools.lru_cache(maxsize=1024)
-def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile) -> RopeTiles:
+def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile, interleaved) -> RopeTiles:
     half = rotary_dim // 2
     half_pad = next_power_of_2(half)
     heads = max(n_q_heads, n_kv_heads)
-    p = plan_rows(tokens, heads * half_pad, dtype, profile=profile, max_gpu_rows=GPU_MAX_TOKENS, **TILES)
+    step = min(GPU_HEAD_BLOCK, next_power_of_2(heads)) * half_pad
+    max_tokens = None if interleaved else max(1, GPU_STEP_ELEMENTS // step)
+    p = plan_rows(tokens, heads * half_pad, dtype, profile=profile, max_gpu_rows=max_tokens, **TILES)
     block_j = min(half_pad, p.block_cols)
     block_h = p.block_cols // block_j
     gpu = profile.kind == "cuda"
@@ -389,11 +396,13 @@ def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile) 
     )
 
 
-def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:
+def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None,
+         interleaved: bool = False) -> dict[str, RowPlan]:
     """The plans for ``shape = (batch, seq, q_heads, kv_heads, head_dim[, rotary_dim])``.
 
     ``(batch, seq, heads, head_dim)`` means as many kv heads as q heads. Forward and backward use
     the same tile (the backward kernel is the forward one with the adjoint coefficients).
+    ``interleaved``: the tile of Llama 4's adjacent pairs (:func:`tiles`).
     """
     shape = tuple(int(s) for s in shape)
     if len(shape) == 4:
@@ -409,7 +418,7 @@ def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dic
         )
     if r % 2 or not 2 <= r <= d:
         raise ValueError(f"rotary_dim must be even and in [2, head_dim={d}], got {r}")
-    t = tiles(batch * seq, hq, hk, d, r, dtype, profile)
+    t = tiles(batch * seq, hq, hk, d, r, dtype, profile, interleaved)
     return {"forward": t.plan, "backward": t.plan}
 
 
@@ -526,7 +535,7 @@ def _launch_config(xq, xk, cos, sin, yq, yk, heads_first, backward, interleaved,
     dtype = _widest(xq.dtype, xk.dtype, yq.dtype, yk.dtype)
     rotary_dim = cos.shape[-1] * (2 if interleaved else 1)
     profile = get_profile()
-    t = tiles(batch * seq, hq or hk, hk or hq, head_dim, rotary_dim, dtype, profile)
+    t = tiles(batch * seq, hq or hk, hk or hq, head_dim, rotary_dim, dtype, profile, interleaved)
     warps = t.plan.num_warps
     if mrope and profile.kind == "cuda":
         warps = min(warps, MROPE_GPU_WARPS)
