@@ -8,6 +8,7 @@ import torch
 import onca
 from onca.models import MODELS
 from onca.device import PROFILES
+from onca.ops import llama4_rope
 from onca.ops import rope as op
 from tests.contract import assert_op_contract
 from tests.helpers import DTYPES, SCALE, assert_close, leaf, randn
@@ -248,9 +249,10 @@ def test_gpu_tiles_hold_at_most_step_elements(hq, hk, head_dim, interleaved, tok
         assert t.block_t == tokens, name
         if not interleaved:
             assert t.block_t * t.block_hq * t.block_j <= op.GPU_STEP_ELEMENTS
-    # The planner's own choice, which the cut changes only where it is wider.
-    assert op.tiles(8192, 16, 8, 128, 128, torch.bfloat16, PROFILES["h200"], True).block_t == 2
+    # plan() reports the launches' tiles: RoPE's (and M-RoPE's) cut, Llama 4's not.
     assert op.plan((4, 2048, 16, 8, 128), torch.bfloat16, PROFILES["h200"])["forward"].block_rows == 1
+    pairs = llama4_rope.plan((4, 2048, 16, 8, 128), torch.bfloat16, PROFILES["h200"])["forward"]
+    assert pairs.block_rows == 2
 
 
 @pytest.mark.parametrize("hq, hk, blocks", [(28, 4, (4, 4)), (12, 2, (4, 2)), (20, 4, (4, 4)),
