@@ -354,3 +354,18 @@ def test_layer_norms_16_bit_forward_and_backward_ask_for_the_cap_and_agree(monke
     finally:
         monkeypatch.delenv("ONCA_DEVICE_PROFILE")
         onca_device.reset()
+
+
+def test_the_eager_route_takes_plain_tensors_and_scalars_only():
+    """An op call runs its launcher directly only on plain tensors (parameters too) and schema
+    scalars; any tensor subclass takes the registered op, whatever its place among the arguments."""
+    from onca.ops._contract import _traced
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    x = torch.ones(2)
+    plain = (x, torch.nn.Parameter(x.clone()), 3, 0.5, True, "mean", None, torch.float32)
+    assert not _traced(plain)
+    assert _traced(plain + (x.as_subclass(Wrapped),))
+    assert _traced((x.as_subclass(Wrapped), 1))
