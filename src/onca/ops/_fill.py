@@ -18,6 +18,7 @@ import triton.language as tl
 
 from onca.device import get_profile
 from onca.ops._launch import fast_launch
+from onca.tiling import cdiv
 
 __all__ = ["zero_", "zeros"]
 
@@ -48,7 +49,7 @@ def zero_(out: torch.Tensor) -> torch.Tensor:
     if n:
         profile = get_profile()
         per_unit = 1 if profile.persistent else PROGRAMS_PER_UNIT
-        programs = min(triton.cdiv(n, BLOCK), per_unit * profile.compute_units)
+        programs = min(cdiv(n, BLOCK), per_unit * profile.compute_units)
         _zero_kernel[(programs,)](out, n, BLOCK=BLOCK, num_warps=min(WARPS, profile.max_warps))
     return out
 

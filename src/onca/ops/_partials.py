@@ -32,6 +32,7 @@ import triton.language as tl
 
 from onca.device import get_profile
 from onca.ops._launch import fast_launch
+from onca.tiling import next_power_of_2
 
 
 @fast_launch
@@ -137,7 +138,7 @@ def rows_per_step(n_rows: int, block_cols: int, tile_elements: int = _SUM_TILE) 
     """Rows a summing loop over ``n_rows`` rows of ``block_cols``-wide tiles adds a step: as many
     as ``tile_elements`` holds (a power of two, at least one). One row a step, such a loop waits
     on each load in turn."""
-    return max(1, min(triton.next_power_of_2(n_rows), tile_elements // block_cols))
+    return max(1, min(next_power_of_2(n_rows), tile_elements // block_cols))
 
 
 def _sum_plan(n_rows: int, n_cols: int) -> _SumPlan:
@@ -153,8 +154,8 @@ def _sum_plan(n_rows: int, n_cols: int) -> _SumPlan:
 # Cached per shape and profile: every backward with partial sums asks for it.
 @functools.lru_cache(maxsize=1024)
 def _sum_tile(n_rows: int, n_cols: int, profile) -> _SumPlan:
-    spread = triton.next_power_of_2(-(-n_cols // profile.compute_units))
-    block_cols = min(triton.next_power_of_2(n_cols), _SUM_TILE, max(32, spread))
+    spread = next_power_of_2(-(-n_cols // profile.compute_units))
+    block_cols = min(next_power_of_2(n_cols), _SUM_TILE, max(32, spread))
     block_rows = rows_per_step(n_rows, block_cols)
     num_warps = 4 if profile.kind == "cuda" else 1  # 16 fp32 a thread; warps mean nothing elsewhere
     return _SumPlan(block_rows, block_cols, -(-n_cols // block_cols), num_warps)

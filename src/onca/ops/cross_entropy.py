@@ -82,7 +82,7 @@ from onca.ops._validate import (
     check_same_device,
     check_tensor,
 )
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
 __all__ = ["cross_entropy", "CrossEntropyOutput", "REDUCTIONS", "plan", "cross_entropy_rows",
            "validate_options", "check_target", "check_class_weight", "target_stats", "reduce_losses",
@@ -624,7 +624,7 @@ def _reduce_loss_kernel(ce_ptr, z_ptr, stats_ptr, predicted_ptr, target_ptr, los
 
 def _block(n: int) -> int:
     """The vector width of the one-program reductions: the rows at once, up to 1024."""
-    return max(16, min(1024, triton.next_power_of_2(max(n, 1))))
+    return max(16, min(1024, next_power_of_2(max(n, 1))))
 
 
 def target_stats(target: Tensor, ignore_index: int, weight: Tensor | None, reduction: str,

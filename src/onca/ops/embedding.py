@@ -66,7 +66,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._fill import zeros
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_same_device
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan, next_power_of_2, plan_rows
 
 __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 
@@ -434,7 +434,7 @@ def _backward_few_tokens(indices, dy, dw, padding_idx: int, scale_grad_by_freq: 
     _embedding_backward_few_tokens_kernel[(n_tokens * p.col_tiles,)](
         indices, dy, dw,
         n_tokens, dim, dw.shape[0], dy.stride(0), dw.stride(0), padding_idx,
-        SCALE_BY_FREQ=scale_grad_by_freq, BLOCK_TOKENS=triton.next_power_of_2(n_tokens),
+        SCALE_BY_FREQ=scale_grad_by_freq, BLOCK_TOKENS=next_power_of_2(n_tokens),
         BLOCK_COLS=p.block_cols, COL_TILES=p.col_tiles, num_warps=p.num_warps,
     )
 

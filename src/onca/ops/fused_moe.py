@@ -58,7 +58,7 @@ from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_number, check_same_device, check_tensor
-from onca.tiling import MatmulPlan, RowPlan, next_power_of_2, plan_matmul, plan_rows
+from onca.tiling import MatmulPlan, RowPlan, cdiv, next_power_of_2, plan_matmul, plan_rows
 
 __all__ = ["ACTIVATIONS", "LAYOUTS", "ROUTINGS", "fused_moe", "plan", "route"]
 
@@ -462,7 +462,7 @@ def _routing_metadata(top_k_index: Tensor, n_experts: int, block_m: int) -> tupl
 
 
 def _max_row_tiles(pairs: int, n_experts: int, block_m: int) -> int:
-    return triton.cdiv(pairs, block_m) + n_experts
+    return cdiv(pairs, block_m) + n_experts
 
 
 def _gemm(mode: int, a: Tensor, order: Tensor, w: Tensor, w_nk, bias: Tensor | None, info: Tensor,
@@ -473,7 +473,7 @@ def _gemm(mode: int, a: Tensor, order: Tensor, w: Tensor, w_nk, bias: Tensor | N
     n_experts = w.shape[0]
     # Absent operands are never read (constexpr switches); ``out`` stands in for them.
     act_, pre_, wts, part, b = (out if t is None else t for t in (act, pre, weights, partial, bias))
-    grid = (n_tiles_m, triton.cdiv(n_cols, p.block_n))
+    grid = (n_tiles_m, cdiv(n_cols, p.block_n))
     _moe_gemm_kernel[grid](
         a, order, w, b, info, out, act_, pre_, wts, part,
         n_experts, n_cols, n_inner, top_k,
@@ -505,7 +505,7 @@ def _weight_grad(mode: int, lhs: Tensor, rhs: Tensor, order: Tensor, weights: Te
     n_experts = dw.shape[0]
     pairs = order.numel()
     p = _gemm_plan("weight_grad", n_out, k_out, max(1, pairs // n_experts), rhs.dtype)
-    tiles = triton.cdiv(n_out, p.block_n) * triton.cdiv(k_out, p.block_k)
+    tiles = cdiv(n_out, p.block_n) * cdiv(k_out, p.block_k)
     profile = get_profile()
     # A persistent device (Ascend: at most 65535 programs) gets about one program per compute
     # unit, each expert's programs looping over its tiles; a GPU one program per tile. The expert
@@ -595,7 +595,7 @@ def fused_moe_backward(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj:
     # also stores the activation it recomputes, the down weight gradient's operand (recomputing it
     # there instead costs a sigmoid per element per hidden tile, more than that GEMM's own time).
     p = _gemm_plan("down_backward", per_expert, i, h, x.dtype, epilogue_tiles=4, block_m=up.block_m)
-    n_col_tiles = triton.cdiv(i, p.block_n)
+    n_col_tiles = cdiv(i, p.block_n)
     partial = torch.zeros((pairs, n_col_tiles), dtype=torch.float32, device=x.device)
     d_pre = torch.empty_like(pre)
     act = x.new_empty((pairs, i))

@@ -52,7 +52,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch
 from onca.ops._partials import sum_partials
 from onca.ops._validate import check_float, check_number, check_same_device, check_tensor
-from onca.tiling import MatmulPlan, RowPlan, next_power_of_2, plan_matmul, plan_rows
+from onca.tiling import MatmulPlan, RowPlan, cdiv, next_power_of_2, plan_matmul, plan_rows
 
 __all__ = ["mhc", "mhc_coeffs", "mhc_pre", "mhc_post_res", "plan"]
 
@@ -684,8 +684,8 @@ def _projection_plan(n: int, k: int, hc: int, dtype: torch.dtype, profile: Devic
 def _projection_splits(n: int, k: int, p: MatmulPlan, profile: DeviceProfile) -> int:
     """Column splits of the projection: enough work items for two per compute unit, each split
     at least eight ``k`` steps long."""
-    wanted = triton.cdiv(2 * profile.compute_units, triton.cdiv(n, p.block_m))
-    return max(1, min(wanted, triton.cdiv(k, 8 * p.block_k)))
+    wanted = cdiv(2 * profile.compute_units, cdiv(n, p.block_m))
+    return max(1, min(wanted, cdiv(k, 8 * p.block_k)))
 
 
 def _projection_backward_plan(n: int, k: int, hc: int, dtype: torch.dtype, profile: DeviceProfile | None = None
@@ -714,9 +714,9 @@ def _projection_config(n: int, k: int, hc: int, dtype, profile) -> tuple[tuple, 
     """``(grid, splits, split_cols, constexprs)`` of the projection kernel."""
     p = _projection_plan(n, k, hc, dtype, profile)
     splits = _projection_splits(n, k, p, profile)
-    split_cols = triton.cdiv(triton.cdiv(k, p.block_k), splits) * p.block_k
-    splits = triton.cdiv(k, split_cols)  # none empty
-    items = triton.cdiv(n, p.block_m) * splits
+    split_cols = cdiv(cdiv(k, p.block_k), splits) * p.block_k
+    splits = cdiv(k, split_cols)  # none empty
+    items = cdiv(n, p.block_m) * splits
     constexprs = dict(SPLIT_X=dtype != torch.bfloat16, BLOCK_N=p.block_m, BLOCK_K=p.block_k,
                       M_BLOCK=_m_block(hc), num_warps=p.num_warps, num_stages=p.num_stages)
     return (_item_grid(items, profile),), splits, split_cols, constexprs
@@ -737,9 +737,9 @@ def _project(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
 def _projection_backward_config(n: int, k: int, hc: int, dtype, profile) -> tuple[tuple, int, dict]:
     """``(grid, token shares, constexprs)`` of the projection's backward kernel."""
     p = _projection_backward_plan(n, k, hc, dtype, profile)
-    col_tiles, row_blocks = triton.cdiv(k, p.block_n), triton.cdiv(n, p.block_m)
+    col_tiles, row_blocks = cdiv(k, p.block_n), cdiv(n, p.block_m)
     # Token shares for four items per compute unit (timed: 1.3x two), each a few row blocks.
-    shares = max(1, min(row_blocks, triton.cdiv(4 * profile.compute_units, col_tiles)))
+    shares = max(1, min(row_blocks, cdiv(4 * profile.compute_units, col_tiles)))
     constexprs = dict(SPLIT_X=dtype != torch.bfloat16, BLOCK_N=p.block_m, BLOCK_K=p.block_n,
                       M_BLOCK=_m_block(hc), num_warps=p.num_warps, num_stages=p.num_stages)
     return (_item_grid(col_tiles * shares, profile),), shares, constexprs

@@ -44,7 +44,7 @@ from onca.ops._rows import rows_cols, rows_in_place, rows_ready
 from onca.ops._validate import check_float, check_same_device
 from onca.ops.rms_norm import (_normalized, _scale, _weight, grad_output_buffer, may_overwrite, validate_options,
                                validate_weight)
-from onca.tiling import RowPlan, next_power_of_2, plan_rows
+from onca.tiling import RowPlan, cdiv, next_power_of_2, plan_rows
 
 __all__ = ["modulated_rms_norm", "plan"]
 
@@ -315,7 +315,7 @@ def _slot_sum_plan(mod_rows: int, cols: int, profile=None) -> RowPlan:
     of a 506 us step on the H100)."""
     units = (profile or get_profile()).compute_units
     tiles_per_row = max(1, 2 * units // max(1, mod_rows))
-    narrow = max(32, next_power_of_2(triton.cdiv(cols, tiles_per_row)))
+    narrow = max(32, next_power_of_2(cdiv(cols, tiles_per_row)))
     return plan_rows(mod_rows, cols, torch.float32, profile=profile, live_tiles=0, fp32_tiles=4,
                      max_block_cols=narrow)
 
