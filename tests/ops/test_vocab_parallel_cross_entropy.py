@@ -119,3 +119,40 @@ def test_bad_input_names_the_argument(device, group):
     with pytest.raises(ValueError, match="reduction"):
         vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=device), group,
                                      vocab_start=0, reduction="avg")
+
+
+def test_one_rank_group_runs_no_collective(device, group, monkeypatch):
+    """On a one-rank group both ops skip their all-reduces (each would return its input) and still
+    give plain cross entropy's loss and gradients: the logits op with a z-loss, the fused head in
+    two chunks of tokens with a bias."""
+    import torch.distributed as dist
+
+    from onca.ops.vocab_parallel_cross_entropy import vocab_parallel_fused_linear_cross_entropy
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a one-rank group ran a collective")
+
+    monkeypatch.setattr(dist, "all_reduce", refuse)
+    logits = randn(13, 40, device=device)
+    target = torch.randint(0, 40, (13,), device=device)
+    target[::4] = -100
+    lk = leaf(logits)
+    loss = vocab_parallel_cross_entropy(lk, target, group, lse_square_scale=1e-2)
+    l64 = logits.detach().double().requires_grad_(True)
+    lse = torch.logsumexp(l64, dim=-1)
+    ref = F.cross_entropy(l64, target) + (1e-2 * lse * lse)[target != -100].mean()
+    assert_close(loss, ref, torch.float32, "loss")
+    loss.backward()
+    ref.backward()
+    assert_close(lk.grad, l64.grad, torch.float32, "dlogits")
+
+    hidden, weight, bias = randn(13, 16, device=device), randn(40, 16, device=device), randn(40, device=device)
+    leaves = [leaf(t) for t in (hidden, weight, bias)]
+    loss = vocab_parallel_fused_linear_cross_entropy(*leaves[:2], target, leaves[2], group, chunk_tokens=8)
+    refs = [t.detach().double().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref = F.cross_entropy(refs[0] @ refs[1].t() + refs[2], target)
+    assert_close(loss, ref, torch.float32, "fused loss")
+    loss.backward()
+    ref.backward()
+    for got, want, name in zip(leaves, refs, ("dhidden", "dweight", "dbias")):
+        assert_close(got.grad, want.grad, torch.float32, name)

@@ -39,7 +39,8 @@ Both take ``ignore_index``, ``reduction`` (``"mean"``, ``"sum"``; ``"none"`` for
 function) and the z-loss ``lse_square_scale``. Label smoothing, class weights and soft-capping are
 not offered on sharded logits. A target outside ``[0, V)`` that is not ``ignore_index`` gives NaN.
 The collectives run on the process group named by the op (``group.group_name``), so the ops are
-custom ops like every other and trace under ``torch.compile`` as opaque calls.
+custom ops like every other and trace under ``torch.compile`` as opaque calls. On a one-rank group
+(tensor parallelism of size 1) they are skipped: the kernels alone run.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from onca.ops.cross_entropy import (
 )
 from onca.ops._matmul import accumulate_dw
 from onca.ops.fused_linear_cross_entropy import _grad_buffers, _plan_for
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan, cdiv, plan_rows
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy", "plan",
            "shard_of"]
@@ -180,7 +181,7 @@ def _global_rows_kernel(
 
 
 def _row_grid(rows: int) -> tuple[int]:
-    return (max(1, min(triton.cdiv(rows, ROW_BLOCK), get_profile().compute_units)),)
+    return (max(1, min(cdiv(rows, ROW_BLOCK), get_profile().compute_units)),)
 
 
 def _outside(ignore_index: int, vocab_local: int) -> int:
@@ -221,7 +222,11 @@ def _statistics(rows: int, device) -> Tensor:
 def _exchange(lse_local: Tensor, both: Tensor, group) -> Tensor:
     """``m``, the largest local log-sum-exp of every row over the shards, and ``both`` (its second
     row this shard's target logits) summed over them with ``exp(lse_r - m)`` in its first: two
-    all-reduces, of ``rows`` and ``2 * rows`` fp32 numbers."""
+    all-reduces, of ``rows`` and ``2 * rows`` fp32 numbers. A one-rank group's all-reduces would
+    return their inputs: skipped (their host path was most of a small call's time)."""
+    if group.size() == 1:
+        both[0].fill_(1.0)
+        return lse_local
     m = lse_local.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     torch.sub(lse_local, m, out=both[0]).exp_()
@@ -385,7 +390,7 @@ def vocab_parallel_fused_linear_cross_entropy_forward(
     else:
         # Every rank takes part in the same collectives, even with no tokens.
         _exchange(lse_local, _statistics(0, hidden.device), group)
-    if dx is not None:
+    if dx is not None and group.size() > 1:
         dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=group)  # dhidden sums over the shards
     loss, z_loss, _ = reduce_losses(ce_rows, z_rows, stats, reduction, torch.float32, weighted=False)
     empty = hidden.new_empty(0)

@@ -1,6 +1,6 @@
 """Vocabulary-parallel cross entropy on one rank: the whole vocabulary in one shard of a one-rank
-process group, so the timing is the sharded path's own cost (its collectives are then local)
-beside plain cross entropy. Multi-rank figures come from ``onca compare --fsdp`` and the
+process group, so the timing is the sharded path's own cost (its kernels; a one-rank group's
+all-reduces are skipped) beside plain cross entropy. Multi-rank figures come from ``onca compare --fsdp`` and the
 distributed tests."""
 
 from __future__ import annotations
