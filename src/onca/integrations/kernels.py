@@ -142,8 +142,9 @@ def mark_transformers_layers(model: nn.Module) -> int:
     how many classes and functions it marked.
 
     transformers marks its layers only when it accepts the installed kernels version (5.23 wants
-    0.18.2 or newer, below 0.19); otherwise its decorators do nothing and ``kernelize`` finds no
-    layer. This reads the decorators from each modelling module's source and applies the kernels
+    0.18.2 or newer, below 0.19; 5.25 0.19.1, below 0.20); otherwise its decorators do nothing and
+    ``kernelize`` finds no layer. Where transformers did mark them (each calling layer then holds
+    its own function modules in ``_kernel_funcs``), they are left as they are. This reads the decorators from each modelling module's source and applies the kernels
     package's own: classes get their layer name, marked functions become the kernels package's
     function modules (module-wide, as transformers would do at import) and are attached to the
     instances that call them."""
@@ -157,6 +158,8 @@ def mark_transformers_layers(model: nn.Module) -> int:
             replace_kernel_forward_from_hub(cls, marked[cls.__name__])
             _MARKED_CLASSES.append(cls)
             count += 1
+        if "_kernel_funcs" in module.__dict__:
+            continue  # transformers (or an earlier call) already gave this layer its function modules
         modeling = sys.modules[cls.__module__]
         for func_name in users.get(cls.__name__, ()):
             func = getattr(modeling, func_name, None)
