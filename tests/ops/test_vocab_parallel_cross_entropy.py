@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from onca.bench.ops.vocab_parallel_cross_entropy import one_rank_group
+from onca.device import get_profile
 from onca.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from onca.tiling import cdiv
 from tests.helpers import assert_close, leaf, randn
 
 
@@ -65,14 +67,15 @@ def test_strided_targets_and_an_expanded_gradient(device, group):
 
 
 def test_rows_in_several_blocks(device, group, monkeypatch):
-    """The per-token kernels in 16-row blocks: 70 rows are five blocks, more than the programs of
-    a persistent profile, so programs loop over several."""
+    """The per-token kernels in 16-row blocks, with more blocks than the profile's programs (one per
+    compute unit, whatever the profile), so programs loop over several."""
     from onca.ops import vocab_parallel_cross_entropy as op
 
     monkeypatch.setattr(op, "ROW_BLOCK", 16)
-    assert -(-70 // 16) > op._row_grid(70)[0] or device != "cpu"
-    logits = randn(70, 33, device=device)
-    target = torch.randint(0, 33, (70,), device=device)
+    rows = 16 * (get_profile().compute_units + 1) + 6
+    assert cdiv(rows, 16) > op._row_grid(rows)[0]
+    logits = randn(rows, 33, device=device)
+    target = torch.randint(0, 33, (rows,), device=device)
     target[::7] = -100
     lk = leaf(logits)
     loss = vocab_parallel_cross_entropy(lk, target, group, vocab_start=0, lse_square_scale=1e-3)

@@ -96,7 +96,7 @@ from onca.ops._validate import (
     check_tensor,
 )
 from onca.ops.fused_linear_cross_entropy import chunk_plan as _flce_chunk_plan
-from onca.tiling import ChunkPlan, RowPlan, plan_rows, plan_token_chunks
+from onca.tiling import ChunkPlan, RowPlan, cdiv, plan_rows, plan_token_chunks
 
 __all__ = [
     "TILES",
@@ -330,9 +330,9 @@ def grad_tiles(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *, accu
         return chunks, vocab
     itemsize = torch.empty((), dtype=dtype).element_size()
     fit = max(VOCAB_TILE_MULTIPLE, chunks.bytes_per_chunk // (rows * itemsize))
-    n_tiles = -(-vocab // fit)
-    width = -(-vocab // n_tiles)
-    width = min(vocab, -(-width // VOCAB_TILE_MULTIPLE) * VOCAB_TILE_MULTIPLE)
+    n_tiles = cdiv(vocab, fit)
+    width = cdiv(vocab, n_tiles)
+    width = min(vocab, cdiv(width, VOCAB_TILE_MULTIPLE) * VOCAB_TILE_MULTIPLE)
     return plan_token_chunks(tokens, width * itemsize, rows * width * itemsize, multiple=1), width
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from onca.device import get_profile
 from onca.ops._launch import fast_launch
-from onca.tiling import next_power_of_2
+from onca.tiling import cdiv, next_power_of_2
 
 
 @fast_launch
@@ -154,11 +154,11 @@ def _sum_plan(n_rows: int, n_cols: int) -> _SumPlan:
 # Cached per shape and profile: every backward with partial sums asks for it.
 @functools.lru_cache(maxsize=1024)
 def _sum_tile(n_rows: int, n_cols: int, profile) -> _SumPlan:
-    spread = next_power_of_2(-(-n_cols // profile.compute_units))
+    spread = next_power_of_2(cdiv(n_cols, profile.compute_units))
     block_cols = min(next_power_of_2(n_cols), _SUM_TILE, max(32, spread))
     block_rows = rows_per_step(n_rows, block_cols)
     num_warps = 4 if profile.kind == "cuda" else 1  # 16 fp32 a thread; warps mean nothing elsewhere
-    return _SumPlan(block_rows, block_cols, -(-n_cols // block_cols), num_warps)
+    return _SumPlan(block_rows, block_cols, cdiv(n_cols, block_cols), num_warps)
 
 
 def sum_partials(partials: torch.Tensor, dtype=torch.float32):

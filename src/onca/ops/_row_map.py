@@ -21,7 +21,7 @@ from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import Op, custom_op, register_autograd
 from onca.ops._launch import row_launch
 from onca.ops._rows import rows_cols, rows_in_place
-from onca.tiling import RowPlan, next_power_of_2, plan_rows
+from onca.tiling import RowPlan, cdiv, next_power_of_2, plan_rows
 
 __all__ = ["GPU_WIDE_ROW_COLS", "TWO_PASS_ELEMENTS_PER_THREAD", "plan_two_pass", "plans", "register_row_map"]
 
@@ -65,7 +65,7 @@ def _wide_row_plan(p: RowPlan) -> RowPlan:
     block_cols = min(next_power_of_2(p.cols), GPU_WIDE_ROW_COLS)
     bytes_per_col = p.tile_bytes // (p.block_rows * p.block_cols)
     return dataclasses.replace(
-        p, block_rows=1, block_cols=block_cols, col_tiles=-(-p.cols // block_cols), row_blocks=p.rows,
+        p, block_rows=1, block_cols=block_cols, col_tiles=cdiv(p.cols, block_cols), row_blocks=p.rows,
         grid=min(p.grid, p.rows) if p.persistent else p.rows, num_warps=32,
         tile_bytes=bytes_per_col * block_cols,
     )

@@ -66,7 +66,7 @@ from onca.ops._contract import custom_op, register_autograd
 from onca.ops._fill import zeros
 from onca.ops._launch import fast_launch
 from onca.ops._validate import check_bool, check_float, check_index, check_same_device
-from onca.tiling import RowPlan, next_power_of_2, plan_rows
+from onca.tiling import RowPlan, cdiv, next_power_of_2, plan_rows
 
 __all__ = ["embedding", "IndexOutOfRangeError", "plan"]
 
@@ -338,7 +338,7 @@ def _cached_tile_plan(rows: int, cols: int, dtype: torch.dtype, tiles: tuple, pr
 def _runs_plan(tokens: int, cols: int, dtype: torch.dtype, profile: DeviceProfile | None) -> RowPlan:
     """The sorted backward's plan: its rows are the chunks of ``RUN_CHUNK`` sorted tokens, one per
     program and column tile."""
-    return _tile_plan(-(-tokens // RUN_CHUNK), cols, dtype, RUNS_TILES, profile)
+    return _tile_plan(cdiv(tokens, RUN_CHUNK), cols, dtype, RUNS_TILES, profile)
 
 
 def plan(shape, dtype: torch.dtype, profile: DeviceProfile | None = None) -> dict[str, RowPlan]:

@@ -305,7 +305,7 @@ SLOT_TILE = 512
 def _slot_rows(n_slots: int, mod_rows: int, block_cols: int) -> int:
     """Slots the slot sum adds a step: about a modulation row's share of them (grid / rows + 1),
     within ``SLOT_TILE`` (a batch of 4 sequences gives each row a few dozen programs' slots)."""
-    return rows_per_step(-(-n_slots // max(1, mod_rows)) + 1, block_cols, SLOT_TILE)
+    return rows_per_step(cdiv(n_slots, max(1, mod_rows)) + 1, block_cols, SLOT_TILE)
 
 
 def _slot_sum_plan(mod_rows: int, cols: int, profile=None) -> RowPlan:
@@ -413,7 +413,7 @@ def modulated_rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, sc
     p = _backward_plan(rows, cols, x.dtype, mod_rows)
     rows_per_mod = rows // mod_rows
     per_row = mod_rows == rows
-    blocks_per_program = -(-p.row_blocks // p.grid)
+    blocks_per_program = cdiv(p.row_blocks, p.grid)
     # dW's partial rows and the modulation's slots (a slot never written sums as zero) are rows of
     # one buffer: one zero fill for all of them.
     dw_rows = 0 if weight is None else partial_rows(p.grid)

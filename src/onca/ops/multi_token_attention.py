@@ -54,7 +54,7 @@ from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch, launch_config, prepared_key
 from onca.ops._validate import check_bool, check_float, check_same_device, check_tensor
-from onca.tiling import RowPlan, plan_rows
+from onca.tiling import RowPlan, cdiv, plan_rows
 
 __all__ = ["multi_token_attention", "plan"]
 
@@ -312,7 +312,7 @@ CHANNELS_LAST_GPU_ROWS = 16
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return cdiv(n, multiple) * multiple
 
 
 def conv_layout(device: torch.device, weight_shape, groups: int) -> tuple[torch.memory_format, int, int]:
@@ -397,7 +397,7 @@ def _launch_config(tiles, tensors, constexprs) -> tuple:
         return None, (), {}, None
     channels_last = any(t.stride(1) == 1 and t.shape[1] > 1 for t in tensors)
     p = _row_plan((batch, stored, height, width), tensors[0].dtype, tiles, channels_last=channels_last)
-    n_channel_blocks = -(-stored // p.block_rows)
+    n_channel_blocks = cdiv(stored, p.block_rows)
     n_tiles = batch * height * n_channel_blocks
     read = min(channels, stored)  # the channels read: those stored that the first tensor has
     scalars = (n_tiles, n_channel_blocks, read, stored, height, width,

@@ -54,7 +54,7 @@ from onca.device import DeviceProfile, get_profile
 from onca.ops._contract import custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch, launch_config, prepared_key
 from onca.ops._validate import check_bool, check_float, check_same_device
-from onca.tiling import RowPlan, next_power_of_2, plan_rows
+from onca.tiling import RowPlan, cdiv, next_power_of_2, plan_rows
 
 __all__ = ["RopeTiles", "plan", "rotary_pos_emb", "tiles"]
 
@@ -114,7 +114,7 @@ def _head_block(heads: int, widest: int, gpu: bool) -> int:
     lanes (32 / 8 heads, 4 x 2048 tokens) steps of 4 were 3-4% slower."""
     block = min(widest, next_power_of_2(heads))
     half = block // 2
-    if gpu and half and -(-heads // half) * half < -(-heads // block) * block:
+    if gpu and half and cdiv(heads, half) * half < cdiv(heads, block) * block:
         return half
     return block
 
@@ -345,7 +345,7 @@ class RopeTiles:
 
     @property
     def j_tiles(self) -> int:
-        return -(-self.half // self.block_j)
+        return cdiv(self.half, self.block_j)
 
     def working_set_bytes(self, itemsize: int, cos_itemsize: int = 4) -> int:
         """Bytes the kernel holds at once: the rotation tiles of the wider head block, and the
@@ -386,7 +386,7 @@ def _tiles(tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, dtype, profile, 
         block_h = min(block_h, GPU_HEAD_BLOCK)
     pass_cols = head_dim - rotary_dim
     itemsize = dtype.itemsize
-    min_block = next_power_of_2(-(-profile.align_bytes // itemsize))
+    min_block = next_power_of_2(cdiv(profile.align_bytes, itemsize))
     # Pass-through columns are copied this many at a time (1: no pass-through part, no variant).
     block_p = min(max(next_power_of_2(pass_cols), min_block), 2 * block_j) if pass_cols else 1
     return RopeTiles(
