@@ -210,6 +210,16 @@ def test_3d_and_non_contiguous(device):
         check(non_contiguous(logits, how), target, "sum", True)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+def test_strided_targets(device, in_place):
+    """Targets the kernels cannot read at unit stride: a strided 1-D run (``labels[::2]``) and a
+    2-D view whose rows flatten into one strided run (``wide[:, ::2]``: no copy made by reshape)."""
+    logits = make_logits((2, 9, VOCAB), torch.float32, device)
+    wide = make_target(36, VOCAB, device, ignore_every=3)
+    check(logits.reshape(18, VOCAB), wide[::2], "none", in_place)
+    check(logits, wide.view(2, 18)[:, ::2], "mean", in_place, lse_square_scale=1e-2)
+
+
 def test_int32_target(device):
     logits = make_logits((TOKENS, VOCAB), torch.float32, device)
     check(logits, make_target(TOKENS, VOCAB, device).to(torch.int32), "mean")

@@ -259,6 +259,14 @@ def test_non_contiguous_hidden(device):
         check(non_contiguous(h, how), w, b, t, "mean")
 
 
+def test_strided_targets(device):
+    """A strided 1-D target (``labels[::2]``), read per chunk by the cross-entropy kernel."""
+    h, w, b, _ = make_inputs(BASE, torch.float32, device, bias=True)
+    wide = make_target(2 * BASE[0], BASE[2], device, ignore_every=3)
+    check(h, w, b, wide[::2], "none")
+    check(h, w, b, wide[::2], "mean", lse_square_scale=1e-2)
+
+
 def test_frozen_head_and_frozen_hidden(monkeypatch, device):
     h, w, _, t = make_inputs(BASE, torch.float32, device)
     ref, (h64, w64, _), _ = reference(h, w, None, t)

@@ -989,7 +989,9 @@ def check_target(target, name: str, shape: tuple[int, ...], what: str) -> Tensor
     check_index(target, name)
     if target.shape != shape:  # torch.Size against torch.Size or a tuple: no tuples built per call
         raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(target.shape)}")
-    return target.reshape(-1)
+    # The kernels read the targets at unit stride: a strided run (``labels[::2]``, or rows that
+    # reshape into one strided run, as ``wide[:, ::2]``) is copied, 8 bytes a token.
+    return target.reshape(-1).contiguous()
 
 
 def torch_computes(lse_square_scale, softcap, label_smoothing, weight, *returns: bool) -> bool:
