@@ -10,13 +10,17 @@ import torch.nn.functional as F
 
 from onca.bench.ops.vocab_parallel_cross_entropy import one_rank_group
 from onca.device import get_profile
-from onca.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from onca.ops import vocab_parallel_cross_entropy as op
+from onca.ops.vocab_parallel_cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_fused_linear_cross_entropy,
+)
 from onca.tiling import cdiv
 from tests.helpers import assert_close, leaf, randn
 
 
 @pytest.fixture
-def group(device):
+def world(device):
     """A one-rank group, torn down afterwards: other tests in this worker see no process group."""
     import torch.distributed as dist
 
@@ -24,6 +28,16 @@ def group(device):
     yield one_rank_group(device)
     if created:
         dist.destroy_process_group()
+
+
+@pytest.fixture(params=["cross_entropy", "shard_passes"])
+def group(world, request, monkeypatch):
+    """The one-rank group, each test run twice: as a one-rank call goes (to cross entropy: the
+    shard is the whole vocabulary), and through the sharded passes (told the shard is not the whole
+    vocabulary), which one process can run on a one-rank group only so."""
+    if request.param == "shard_passes":
+        monkeypatch.setattr(op, "_whole_vocabulary", lambda *args: False)
+    return world
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -69,8 +83,6 @@ def test_strided_targets_and_an_expanded_gradient(device, group):
 def test_rows_in_several_blocks(device, group, monkeypatch):
     """The per-token kernels in 16-row blocks, with more blocks than the profile's programs (one per
     compute unit, whatever the profile), so programs loop over several."""
-    from onca.ops import vocab_parallel_cross_entropy as op
-
     monkeypatch.setattr(op, "ROW_BLOCK", 16)
     rows = 16 * (get_profile().compute_units + 1) + 6
     assert cdiv(rows, 16) > op._row_grid(rows)[0]
@@ -130,8 +142,6 @@ def test_one_rank_group_runs_no_collective(device, group, monkeypatch):
     two chunks of tokens with a bias."""
     import torch.distributed as dist
 
-    from onca.ops.vocab_parallel_cross_entropy import vocab_parallel_fused_linear_cross_entropy
-
     def refuse(*args, **kwargs):
         raise AssertionError("a one-rank group ran a collective")
 
@@ -159,3 +169,33 @@ def test_one_rank_group_runs_no_collective(device, group, monkeypatch):
     ref.backward()
     for got, want, name in zip(leaves, refs, ("dhidden", "dweight", "dbias")):
         assert_close(got.grad, want.grad, torch.float32, name)
+
+
+def test_a_one_rank_group_is_cross_entropy(device, world, monkeypatch):
+    """A one-rank group holding the whole vocabulary runs Onca's (fused linear) cross entropy with
+    the same options, never the sharded passes; a shard that is not the whole vocabulary still
+    runs them."""
+    calls = []
+
+    def spy(name, real):
+        return lambda *args, **kwargs: (calls.append((name, kwargs)), real(*args, **kwargs))[1]
+
+    monkeypatch.setattr(op, "cross_entropy", spy("cross_entropy", op.cross_entropy))
+    monkeypatch.setattr(op, "fused_linear_cross_entropy", spy("fused", op.fused_linear_cross_entropy))
+    forward = op.vocab_parallel_cross_entropy_forward
+    monkeypatch.setattr(op, "vocab_parallel_cross_entropy_forward",
+                        lambda *args: (calls.append(("shard_passes", {})), forward(*args))[1])
+    logits = randn(6, 30, device=device)
+    target = torch.randint(0, 30, (6,), device=device)
+    vocab_parallel_cross_entropy(logits, target, world, reduction="sum", lse_square_scale=1e-3,
+                                 ignore_index=3)
+    assert calls == [("cross_entropy", {"ignore_index": 3, "reduction": "sum", "lse_square_scale": 1e-3,
+                                        "return_z_loss": False})]
+    calls.clear()
+    hidden, weight = randn(6, 8, device=device), randn(30, 8, device=device)
+    vocab_parallel_fused_linear_cross_entropy(hidden, weight, target, None, world, chunk_tokens=4,
+                                              return_z_loss=True)
+    assert [name for name, _ in calls] == ["fused"] and calls[0][1]["chunk_tokens"] == 4
+    calls.clear()
+    vocab_parallel_cross_entropy(logits, target, world, vocab_start=0, vocab_size=32)
+    assert calls == [("shard_passes", {})]

@@ -39,8 +39,11 @@ Both take ``ignore_index``, ``reduction`` (``"mean"``, ``"sum"``; ``"none"`` for
 function) and the z-loss ``lse_square_scale``. Label smoothing, class weights and soft-capping are
 not offered on sharded logits. A target outside ``[0, V)`` that is not ``ignore_index`` gives NaN.
 The collectives run on the process group named by the op (``group.group_name``), so the ops are
-custom ops like every other and trace under ``torch.compile`` as opaque calls. On a one-rank group
-(tensor parallelism of size 1) they are skipped: the kernels alone run.
+custom ops like every other and trace under ``torch.compile`` as opaque calls. A one-rank group
+holding the whole vocabulary (tensor parallelism of size 1) shards nothing: both functions are then
+Onca's cross entropy and fused linear cross entropy, called with the same options (their kernels,
+and torch's ops for a small call). A one-rank shard that is not the whole vocabulary runs the
+sharded passes with the all-reduces skipped (each would return its input).
 """
 
 from __future__ import annotations
@@ -62,13 +65,14 @@ from onca.ops.cross_entropy import (
     ForwardGradients,
     SCALE,
     check_target,
+    cross_entropy,
     cross_entropy_rows,
     reduce_losses,
     scale_forward_gradient,
     target_stats,
 )
 from onca.ops._matmul import accumulate_dw
-from onca.ops.fused_linear_cross_entropy import _grad_buffers, _plan_for
+from onca.ops.fused_linear_cross_entropy import _grad_buffers, _plan_for, fused_linear_cross_entropy
 from onca.tiling import RowPlan, cdiv, plan_rows
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy", "plan",
@@ -482,8 +486,8 @@ def _replicated_local(t, name: str):
     return t.to_local()
 
 
-def _resolve(group, vocab_local: int, vocab_start, vocab_size, name: str) -> tuple[str, int, int]:
-    """``(group name, this rank's vocabulary start, total vocabulary)`` for plain local shards:
+def _resolve(group, vocab_local: int, vocab_start, vocab_size, name: str) -> tuple[str, int, int, int]:
+    """``(group name, this rank's vocabulary start, total vocabulary, ranks)`` for plain local shards:
     even shards (``start = rank * V_r``) unless ``vocab_start`` is given; then the total is
     ``vocab_size``, or, without it, the sum of the shards' sizes gathered on the host (a collective
     and a synchronisation on every call)."""
@@ -503,17 +507,25 @@ def _resolve(group, vocab_local: int, vocab_start, vocab_size, name: str) -> tup
         if vocab_size is not None and vocab_size != world * vocab_local:
             raise ValueError(f"vocab_size {vocab_size} is not {world} even shards of {vocab_local}: "
                              "pass vocab_start for uneven shards")
-        return group.group_name, dist.get_rank(group) * vocab_local, world * vocab_local
+        return group.group_name, dist.get_rank(group) * vocab_local, world * vocab_local, world
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be None or an int >= 0, got {vocab_start!r}")
     if vocab_size is not None:
         if vocab_start + vocab_local > vocab_size:
             raise ValueError(f"vocab_start + this rank's shard ({vocab_start} + {vocab_local}) exceeds "
                              f"vocab_size {vocab_size}")
-        return group.group_name, vocab_start, vocab_size
+        return group.group_name, vocab_start, vocab_size, world
     sizes = [None] * world
     dist.all_gather_object(sizes, vocab_local, group=group)
-    return group.group_name, vocab_start, sum(sizes)
+    return group.group_name, vocab_start, sum(sizes), world
+
+
+def _whole_vocabulary(ranks: int, start: int, total: int, local: int) -> bool:
+    """Whether this rank's shard is the whole vocabulary (a one-rank group: tensor parallelism of
+    size 1). Nothing is sharded then, and the loss is plain (fused linear) cross entropy: Onca's
+    op, whose kernels and small-call route serve it better than the sharded passes with nothing
+    to exchange."""
+    return ranks == 1 and start == 0 and total == local
 
 
 def _check_common(ignore_index, reduction, lse_square_scale, return_z_loss, allowed=REDUCTIONS):
@@ -565,7 +577,7 @@ def vocab_parallel_cross_entropy(
             raise ValueError("logits is a DTensor not sharded on its last dimension: use "
                              "onca.functional.cross_entropy on its local tensor (nothing is sharded)")
         logits, pg, start, total = shard
-        group_name = pg.group_name
+        group_name, ranks = pg.group_name, pg.size()
     target = _replicated_local(target, "target")
     check_float(logits, "logits")
     if logits.dim() < 2 or logits.shape[-1] == 0:
@@ -574,7 +586,11 @@ def vocab_parallel_cross_entropy(
     target1d = check_target(target, "target", logits.shape[:-1], "the logits' shape without the vocab")
     check_same_device(target, "target", logits, "logits")
     if group_name is None:
-        group_name, start, total = _resolve(group, logits.shape[-1], vocab_start, vocab_size, "cross entropy")
+        group_name, start, total, ranks = _resolve(group, logits.shape[-1], vocab_start, vocab_size,
+                                                   "cross entropy")
+    if _whole_vocabulary(ranks, start, total, logits.shape[-1]):
+        return cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                             lse_square_scale=lse_square_scale, return_z_loss=return_z_loss)
     loss, z_loss, _ = vocab_parallel_cross_entropy_forward(
         as_rows(logits), target1d, group_name, start, total, ignore_index, float(lse_square_scale), reduction)
     if reduction == "none":
@@ -624,7 +640,7 @@ def vocab_parallel_fused_linear_cross_entropy(
             raise ValueError("weight is a replicated DTensor: use onca.functional.fused_linear_cross_entropy "
                              "on its local tensor (nothing is sharded)")
         weight, pg, start, total = shard
-        group_name = pg.group_name
+        group_name, ranks = pg.group_name, pg.size()
         if bias is not None:
             bias_shard = shard_of(bias, 0, "bias") if _is_dtensor(bias) else None
             if bias_shard is None:
@@ -657,7 +673,13 @@ def vocab_parallel_fused_linear_cross_entropy(
                                      or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
     if group_name is None:
-        group_name, start, total = _resolve(group, weight.shape[0], vocab_start, vocab_size, "fused linear cross entropy")
+        group_name, start, total, ranks = _resolve(group, weight.shape[0], vocab_start, vocab_size,
+                                                   "fused linear cross entropy")
+    if _whole_vocabulary(ranks, start, total, weight.shape[0]):
+        return fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
+                                          reduction=reduction, lse_square_scale=lse_square_scale,
+                                          return_z_loss=return_z_loss, accum_dtype=accum_dtype,
+                                          chunk_tokens=chunk_tokens)
     grad = torch.is_grad_enabled()
     loss, z_loss, *_ = vocab_parallel_fused_linear_cross_entropy_forward(
         as_rows(hidden), weight, target1d, bias, group_name, start, total, ignore_index,

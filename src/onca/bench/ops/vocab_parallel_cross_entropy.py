@@ -1,6 +1,8 @@
 """Vocabulary-parallel cross entropy on one rank: the whole vocabulary in one shard of a one-rank
-process group, so the timing is the sharded path's own cost (its kernels; a one-rank group's
-all-reduces are skipped) beside plain cross entropy. Multi-rank figures come from ``onca compare --fsdp`` and the
+process group, as tensor parallelism of size 1 calls it. Such a call shards nothing and is Onca's
+cross entropy (its kernels, torch's ops for a small call), so this is what a one-rank caller gets
+beside plain cross entropy. The sharded passes' own cost on one rank was swept on an H200 on
+2026-12-03 (benchmarks/NOTES.md); multi-rank figures come from ``onca compare --fsdp`` and the
 distributed tests."""
 
 from __future__ import annotations
