@@ -39,6 +39,7 @@ from onca.ops.multi_token_attention import SMALL_CALL_WEIGHT, multi_token_attent
 from onca.ops.relu_squared import relu_squared
 from onca.ops.softmax import softmax
 from onca.ops.swiglu import swiglu
+from onca.ops.tiled_mlp import tiled_mlp
 from onca.ops.tvd import tvd
 from tests.helpers import assert_close
 
@@ -198,6 +199,22 @@ def _cases():
         "multi_token_attention_bf16_strided_groups": (
             lambda d: [_tensor((1, 4, 11, 11), BF16, d, scale=2.0), _tensor((6, 2, 3, 2), BF16, d, scale=0.3)],
             lambda s, w: multi_token_attention(s, w, stride=(2, 1), padding=(2, 1), dilation=(1, 2), groups=2)),
+        "tiled_mlp": (
+            lambda d: [_tensor((2, 5, 32), F32, d), _tensor((48, 32), F32, d, scale=0.2),
+                       _tensor((48, 32), F32, d, scale=0.2), _tensor((24, 48), F32, d, scale=0.2)],
+            tiled_mlp),
+        "tiled_mlp_geglu_three_shards": (
+            lambda d: [_tensor((7, 32), F32, d), _tensor((40, 32), F32, d, scale=0.3),
+                       _tensor((40, 32), F32, d, scale=0.3), _tensor((32, 40), F32, d, scale=0.3)],
+            lambda x, g, u, w: tiled_mlp(x, g, u, w, "geglu", num_shards=3)),
+        "tiled_mlp_bf16": (
+            lambda d: [_tensor((3, 4, 32), BF16, d), _tensor((40, 32), BF16, d, scale=0.2),
+                       _tensor((40, 32), BF16, d, scale=0.2), _tensor((32, 40), BF16, d, scale=0.2)],
+            tiled_mlp),
+        "tiled_mlp_exact_gelu": (
+            lambda d: [_tensor((6, 16), F32, d), _tensor((24, 16), F32, d, scale=0.3),
+                       _tensor((24, 16), F32, d, scale=0.3), _tensor((16, 24), F32, d, scale=0.3)],
+            lambda x, g, u, w: tiled_mlp(x, g, u, w, "gelu")),
         "fused_linear_cross_entropy": (
             lambda d: [_tensor((2, 4, 32), F32, d), _tensor((vocab, 32), F32, d, scale=0.2),
                        _labels((2, 4), vocab, d)],

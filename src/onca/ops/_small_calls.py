@@ -4,7 +4,7 @@ At a few million elements or fewer an op's GPU time is a few microseconds whoeve
 the host decides the speed. Where torch computes the op as one C++ call (LayerNorm, softmax,
 embedding, cross entropy, KL divergence, GroupNorm) or a few (the gated activations, ReLU², DyT,
 a head followed by cross entropy, multi-token attention's masked softmax and convolution, the
-total variation distance), no
+total variation distance, the tiled MLP's three projections), no
 Python-launched kernel can match it there: an autograd Function alone costs more host time forward
 + backward than torch's whole op (measured on an H100 host: an empty Function 104 µs, torch's
 LayerNorm of 16 tokens 68 to 154 µs). Such an op's public function therefore calls torch's op when

@@ -16,6 +16,11 @@ projections computed twice (the forward runs once more in the backward, as in li
 ``num_shards`` defaults to liger-kernel's ``ceil(seq / hidden)`` (``seq = x.shape[-2]``), at least 1.
 The shard boundaries are derived from shapes only: no host synchronisation, and the two custom ops
 ``tiled_mlp_forward``/``tiled_mlp_backward`` are single opaque nodes for ``torch.compile``.
+
+A small eager call on CUDA (its largest tensor, a weight or the ``(tokens, intermediate)``
+activation, of at most :func:`onca.ops._small_calls.limit` elements) is the plain MLP by torch's
+ops, autograd for the gradient: there the activations are a few MB at most, nothing is worth
+tiling, and the host path decides the speed.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from onca.ops import _glu
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._validate import check_float, check_same_device, check_tensor
 from onca.tiling import RowPlan
@@ -162,8 +169,19 @@ def tiled_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Te
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
     rows = x.reshape(-1, hidden)
+    largest = max(rows.shape[0] * gate_weight.shape[0], gate_weight.numel(), down_weight.numel())
+    if small_calls.small(largest, x, gate_weight, up_weight, down_weight):
+        return _torch_mlp(x, gate_weight, up_weight, down_weight, _ACTIVATIONS[activation])
     if rows.stride(-1) != 1 or rows.stride(0) != hidden:
         rows = rows.contiguous()
     out = tiled_mlp_forward(rows, gate_weight, up_weight, down_weight, _glu.ACTIVATIONS[_ACTIVATIONS[activation]],
                             num_shards)
     return out.view(*x.shape[:-1], down_weight.shape[0])
+
+
+def _torch_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor, kind: str) -> Tensor:
+    """A small call by torch's ops (:mod:`onca.ops._small_calls`): the Hugging Face MLP's
+    ``down(act(gate(x)) * up(x))``, untiled, autograd for the gradients."""
+    gate = F.linear(x, gate_weight)
+    act = F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh" if kind == "gelu_tanh" else "none")
+    return F.linear(act * F.linear(x, up_weight), down_weight)
