@@ -32,8 +32,8 @@ support ``S = {p > 0}``, 0 elsewhere. Softmax's: ``dz = p * (g - sum(g * p))``. 
 fp32 for every input dtype (liger-kernel's sparse path takes fp32 only).
 
 A small eager softmax call on CUDA (scores or output of at most ``onca.ops._small_calls.limit() /
-SMALL_CALL_WEIGHT`` elements) takes torch's ops instead: the masked softmax, the convolution and
-``tril``.
+SMALL_CALL_WEIGHT`` elements) takes torch's ops instead: the masked softmax (its causal mask kept
+per length), the convolution and ``tril``.
 
 Saved for backward: the probabilities (``scores``' dtype and the convolution's layout and padded
 channels, as the convolution reads them) and the convolution's weight; the masked scores are not kept.
@@ -532,14 +532,33 @@ def _largest_tensor(scores: Tensor, weight: Tensor, stride, padding, dilation) -
     return max(scores.numel(), b * c_out * max(out[0], 0) * max(out[1], 0))
 
 
+# The causal masks of small calls, by (length, device): two kernels a call less. A small call's
+# length is at most a few hundred (a mask of at most 64 kB at the default limit). Never dropped
+# once kept: a CUDA graph captured reading one replays reading its memory. Past _MAX_MASKS lengths
+# a mask is made per call.
+_LATER_KEYS: dict = {}
+_MAX_MASKS = 64
+
+
+def _later_keys(length: int, device: torch.device) -> Tensor:
+    """``(length, length)`` bool, True where the key comes after the query. One made while a CUDA
+    graph is being captured is not kept: the capture records the kernels that fill it without
+    running them, so an eager call reading it later would read garbage."""
+    key = (length, device)
+    mask = _LATER_KEYS.get(key)
+    if mask is None:
+        mask = torch.ones(length, length, dtype=torch.bool, device=device).triu_(1)
+        if len(_LATER_KEYS) < _MAX_MASKS and not (device.type == "cuda"
+                                                    and torch.cuda.is_current_stream_capturing()):
+            _LATER_KEYS[key] = mask
+    return mask
+
+
 def _torch_route(scores: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,
                  groups: int) -> Tensor:
     """A small softmax call by torch's ops (:mod:`onca.ops._small_calls`): the masked softmax, the
-    NCHW convolution and ``tril`` for the output mask, autograd for the gradients. The causal mask
-    is made per call (two small kernels): a mask kept between calls would be made by a kernel that
-    a CUDA graph capture records but does not run."""
-    length = scores.shape[-1]
-    later = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu_(1)
+    NCHW convolution and ``tril`` for the output mask, autograd for the gradients."""
+    later = _later_keys(scores.shape[-1], scores.device)
     probs = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
     return F.conv2d(probs, weight, bias, stride, padding, dilation, groups).tril()
 
