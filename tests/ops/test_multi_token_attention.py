@@ -226,17 +226,19 @@ def test_small_calls_keep_one_causal_mask_per_length(device, monkeypatch):
     """The small-call route's causal mask is made once per (length, device) and kept (never dropped:
     a CUDA graph may read it); past the cap, and while a CUDA graph is being captured, it is made
     per call and not kept."""
-    monkeypatch.setattr(op, "_LATER_KEYS", {})
+    from onca.ops import _small_calls as small_calls
+
+    monkeypatch.setattr(small_calls, "_kept", {})
     dev = torch.device(device)
     first = op._later_keys(5, dev)
     assert torch.equal(first.cpu(), torch.ones(5, 5, dtype=torch.bool).triu(1))
-    assert op._later_keys(5, dev) is first and list(op._LATER_KEYS) == [(5, dev)]
-    monkeypatch.setattr(op, "_MAX_MASKS", 1)
+    assert op._later_keys(5, dev) is first and len(small_calls._kept) == 1
+    monkeypatch.setattr(small_calls, "MAX_KEPT", 1)
     other = op._later_keys(6, dev)
-    assert op._later_keys(6, dev) is not other and list(op._LATER_KEYS) == [(5, dev)]
+    assert op._later_keys(6, dev) is not other and len(small_calls._kept) == 1
     if dev.type == "cuda":
-        monkeypatch.setattr(op, "_MAX_MASKS", 64)
+        monkeypatch.setattr(small_calls, "MAX_KEPT", 64)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             op._later_keys(7, dev)
-        assert (7, dev) not in op._LATER_KEYS
+        assert len(small_calls._kept) == 1

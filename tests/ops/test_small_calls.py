@@ -36,6 +36,7 @@ from onca.ops.group_norm import group_norm
 from onca.ops.kl_div import kl_div
 from onca.ops.layer_norm import layer_norm
 from onca.ops.multi_token_attention import SMALL_CALL_WEIGHT, multi_token_attention
+from onca.ops.neighborhood_attention import neighborhood_attention
 from onca.ops.relu_squared import relu_squared
 from onca.ops.softmax import softmax
 from onca.ops.swiglu import swiglu
@@ -199,6 +200,13 @@ def _cases():
         "multi_token_attention_bf16_strided_groups": (
             lambda d: [_tensor((1, 4, 11, 11), BF16, d, scale=2.0), _tensor((6, 2, 3, 2), BF16, d, scale=0.3)],
             lambda s, w: multi_token_attention(s, w, stride=(2, 1), padding=(2, 1), dilation=(1, 2), groups=2)),
+        "neighborhood_attention": (
+            lambda d: [_tensor((2, 3, 13, 16), F32, d), _tensor((2, 3, 13, 16), F32, d),
+                       _tensor((2, 3, 13, 16), F32, d)],
+            neighborhood_attention),
+        "neighborhood_attention_bf16_dilated_scaled_strided": (
+            lambda d: [_tensor((1, 9, 2, 32), BF16, d).transpose(1, 2) for _ in range(3)],
+            lambda q, k, v: neighborhood_attention(q, k, v, kernel_size=4, dilation=2, scale=0.3)),
         "tiled_mlp": (
             lambda d: [_tensor((2, 5, 32), F32, d), _tensor((48, 32), F32, d, scale=0.2),
                        _tensor((48, 32), F32, d, scale=0.2), _tensor((24, 48), F32, d, scale=0.2)],

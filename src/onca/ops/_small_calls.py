@@ -4,7 +4,8 @@ At a few million elements or fewer an op's GPU time is a few microseconds whoeve
 the host decides the speed. Where torch computes the op as one C++ call (LayerNorm, softmax,
 embedding, cross entropy, KL divergence, GroupNorm) or a few (the gated activations, ReLU², DyT,
 a head followed by cross entropy, multi-token attention's masked softmax and convolution, the
-total variation distance, the tiled MLP's three projections), no
+total variation distance, the tiled MLP's three projections, neighborhood attention as masked
+scaled dot-product attention), no
 Python-launched kernel can match it there: an autograd Function alone costs more host time forward
 + backward than torch's whole op (measured on an H100 host: an empty Function 104 µs, torch's
 LayerNorm of 16 tokens 68 to 154 µs). Such an op's public function therefore calls torch's op when
@@ -46,7 +47,7 @@ import torch
 
 from onca.ops._contract import PLAIN_TYPES
 
-__all__ = ["DEFAULT_LIMIT", "DEVICE_TYPES", "fits", "limit", "set_limit", "small", "same_dtype"]
+__all__ = ["DEFAULT_LIMIT", "DEVICE_TYPES", "fits", "kept", "limit", "set_limit", "small", "same_dtype"]
 
 DEFAULT_LIMIT = 1 << 22
 # Device types whose calls may take torch's route.
@@ -122,3 +123,24 @@ def same_dtype(first: torch.Tensor, *others: torch.Tensor | None) -> bool:
         if t is not None and t.dtype != dtype:
             return False
     return True
+
+
+# Constant tensors the routes build from sizes alone (causal and window masks), by key. Never
+# dropped once kept: a CUDA graph captured reading one replays reading its memory. A small call's
+# mask is small (64 kB at most at the default limit), and past MAX_KEPT keys one is made per call.
+_kept: dict = {}
+MAX_KEPT = 64
+
+
+def kept(key: tuple, make) -> torch.Tensor:
+    """``make()``, kept under ``key`` (which must hold everything it depends on, the device
+    included) for later calls. One made while a CUDA graph is being captured is not kept: the
+    capture records the kernels that fill it without running them, so an eager call reading it
+    later would read garbage."""
+    tensor = _kept.get(key)
+    if tensor is None:
+        tensor = make()
+        capturing = tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if len(_kept) < MAX_KEPT and not capturing:
+            _kept[key] = tensor
+    return tensor

@@ -532,26 +532,11 @@ def _largest_tensor(scores: Tensor, weight: Tensor, stride, padding, dilation) -
     return max(scores.numel(), b * c_out * max(out[0], 0) * max(out[1], 0))
 
 
-# The causal masks of small calls, by (length, device): two kernels a call less. A small call's
-# length is at most a few hundred (a mask of at most 64 kB at the default limit). Never dropped
-# once kept: a CUDA graph captured reading one replays reading its memory. Past _MAX_MASKS lengths
-# a mask is made per call.
-_LATER_KEYS: dict = {}
-_MAX_MASKS = 64
-
-
 def _later_keys(length: int, device: torch.device) -> Tensor:
-    """``(length, length)`` bool, True where the key comes after the query. One made while a CUDA
-    graph is being captured is not kept: the capture records the kernels that fill it without
-    running them, so an eager call reading it later would read garbage."""
-    key = (length, device)
-    mask = _LATER_KEYS.get(key)
-    if mask is None:
-        mask = torch.ones(length, length, dtype=torch.bool, device=device).triu_(1)
-        if len(_LATER_KEYS) < _MAX_MASKS and not (device.type == "cuda"
-                                                    and torch.cuda.is_current_stream_capturing()):
-            _LATER_KEYS[key] = mask
-    return mask
+    """``(length, length)`` bool, True where the key comes after the query: made once per length
+    and device (:func:`onca.ops._small_calls.kept`), two kernels a call less."""
+    return small_calls.kept(("mta_later_keys", length, device),
+                            lambda: torch.ones(length, length, dtype=torch.bool, device=device).triu_(1))
 
 
 def _torch_route(scores: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,

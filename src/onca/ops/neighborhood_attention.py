@@ -25,6 +25,11 @@ window's probabilities ``p`` from them, in two per-row kernels (no atomics, dete
 
 The whole head dimension is one tile (``D`` up to a few hundred): a budget too small for that is a
 ``TilingError``. Outputs and gradients have the inputs' dtype; arithmetic is fp32.
+
+A small eager call on CUDA (a ``(B, H, L, L)`` score matrix of at most
+:func:`onca.ops._small_calls.limit` elements) is torch's ``scaled_dot_product_attention`` with the
+window as a boolean mask (made once per length, window and device): one C++ call each way, where
+the host path decides the speed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
+from onca.ops import _small_calls as small_calls
 from onca.ops._contract import custom_op, register_autograd
 from onca.ops._launch import fast_launch, launch_config, prepared_key
 from onca.ops._validate import check_float, check_number, check_same_device
@@ -347,6 +353,24 @@ def _unit_last_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+def _window(length: int, half: int, dilation: int, device: torch.device) -> Tensor:
+    """``(length, length)`` bool, True where query ``i`` sees key ``j``: ``|j - i| <= half *
+    dilation`` and ``(j - i) % dilation == 0`` (the window clipped at the ends)."""
+    offset = torch.arange(length, device=device)
+    offset = offset[None, :] - offset[:, None]
+    return (offset.abs() <= half * dilation) & (offset % dilation == 0)
+
+
+def _torch_route(query: Tensor, key: Tensor, value: Tensor, half: int, dilation: int, scale: float) -> Tensor:
+    """A small call by torch's ops (:mod:`onca.ops._small_calls`): masked scaled dot-product
+    attention, autograd for the gradients; contiguous, as the kernels' output."""
+    length = query.shape[-2]
+    mask = small_calls.kept(("neighborhood_window", length, half, dilation, query.device),
+                            lambda: _window(length, half, dilation, query.device))
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return out.contiguous()
+
+
 def _check_int(value, name: str, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -393,6 +417,9 @@ def neighborhood_attention(
     check_number(scale, "scale")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
+    b, h, length, _ = query.shape
+    if small_calls.small(b * h * length * length, query, key, value):
+        return _torch_route(query, key, value, kernel_size // 2, dilation, float(scale))
     out, _ = neighborhood_attention_forward(_unit_last_stride(query), _unit_last_stride(key),
                                             _unit_last_stride(value), kernel_size // 2, dilation, float(scale))
     return out
