@@ -103,6 +103,22 @@ def test_matches_reference(profile, device, dtype):
     check(randn(b, t, hc, c, dtype=dtype, device=device), coeff_params(hc, c, device))
 
 
+def test_transposed_phi(device):
+    """``phi`` as the transpose of an ``(M, HC*C)`` parameter (the layout of a Linear's weight), and
+    a strided ``b``: the kernels read both at unit stride, so they are copied first (the kernels
+    read the wrong entries of them as they were)."""
+    x = randn(5, 4, 24, device=device)
+    phi, *rest = coeff_params(4, 24, device)
+    transposed = phi.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    check(x, [transposed, *rest])
+    b = rest[0]
+    wide = torch.zeros(2 * b.shape[0], device=device)
+    wide[::2] = b
+    for got, want in zip(mhc_coeffs(x, phi, wide[::2], *rest[1:]), mhc_coeffs(x, phi, b, *rest[1:])):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_projection_backward_keeps_fp32_operands_exact(device, dtype):
     """The projection's backward multiplies fp32 ``d_proj`` and ``phi`` as split bf16 parts: ``dx

@@ -901,8 +901,9 @@ def mhc_coeffs(x: Tensor, phi: Tensor, b: Tensor, alpha_pre: Tensor, alpha_post:
         check_number(v, name, minimum=0.0)
     check_number(post_mult, "post_mult")
     h_pre, h_post, h_res, _, _ = mhc_coeffs_forward(
-        x.reshape(n, hc, c).contiguous(), phi, b, alpha_pre.reshape(()), alpha_post.reshape(()),
-        alpha_res.reshape(()), tmax, float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult))
+        # The kernels read phi and b at unit stride (a transposed phi, a strided b, are copied).
+        x.reshape(n, hc, c).contiguous(), phi.contiguous(), b.contiguous(), alpha_pre.reshape(()),
+        alpha_post.reshape(()), alpha_res.reshape(()), tmax, float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult))
     lead = tuple(x.shape[:-2])
     return h_pre.view(*lead, hc), h_post.view(*lead, hc), h_res.view(*lead, hc, hc)
 
