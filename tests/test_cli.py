@@ -307,6 +307,20 @@ def test_cuda_audit_compiles_kernels_to_cubins_without_a_gpu():
     assert f"0 failures, {spilling} spilling registers to the stack" in summary
 
 
+def test_audit_records_a_benchmarks_audit_call():
+    """Vocabulary-parallel cross entropy's benchmark call is cross entropy (the whole vocabulary on
+    one rank); its ``audit`` call runs the sharded passes, so their kernels are compiled too."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "onca.audit", "--cuda", "--profiles", "h100", "--ops",
+               "vocab_parallel_cross_entropy"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for kernel in ("_shard_rows_kernel", "_global_rows_kernel"):
+        assert f"ok   vocab_parallel_cross_entropy.{kernel}" in done.stdout, done.stdout[-2000:]
+
+
 def test_audit_covers_every_cuda_profile_architecture():
     from onca import audit
 

@@ -188,7 +188,7 @@ def _recording_cuda(backend, user: str, launches: dict):
 def _run_point(bench, params, dtype) -> None:
     """The op's forward and backward, as the benchmark's ``full`` mode runs them, on meta tensors."""
     inputs = bench.make_inputs(params, dtype, "meta")
-    result = build(bench.onca, params, inputs)()
+    result = build(bench.audit or bench.onca, params, inputs)()
     items = result if isinstance(result, (tuple, list)) else (result,)
     outs = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])

@@ -105,6 +105,9 @@ class OpBenchmark:
     probe: Params = field(default_factory=dict)
     # Shown with every record: what is fixed about the configuration (options, layouts).
     config: str = ""
+    # The call ``onca audit`` records in place of ``onca``, where the benchmark's call does not reach
+    # every kernel of the op (None: ``onca``).
+    audit: Factory | None = None
 
     def __post_init__(self):
         clash = [p for p in self.peers if p in PROVIDERS]

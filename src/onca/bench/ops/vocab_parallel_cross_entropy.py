@@ -42,6 +42,19 @@ def onca(p, inputs):
     return lambda: vocab_parallel_cross_entropy(inputs["logits"], inputs["target"], group)
 
 
+def sharded_passes(p, inputs):
+    """For ``onca audit``: the sharded passes, which the benchmark's call (the whole vocabulary on
+    one rank: cross entropy) does not run. A vocabulary one class wider than the shard makes the
+    shard not the whole vocabulary; the kernels and their compile-time options are a multi-rank
+    call's."""
+    from onca.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+
+    group = one_rank_group(inputs["logits"].device)
+    vocab = inputs["logits"].shape[-1]
+    return lambda: vocab_parallel_cross_entropy(inputs["logits"], inputs["target"], group, vocab_start=0,
+                                                vocab_size=vocab + 1)
+
+
 def reference(p, inputs):
     return lambda: F.cross_entropy(inputs["logits"].float(), inputs["target"])
 
@@ -70,4 +83,5 @@ BENCHMARK = OpBenchmark(
     memory_estimate=memory_estimate,
     probe={"tokens": 64, "vocab": 1024},
     config="one rank holding the whole vocabulary; mean over 8192 tokens",
+    audit=sharded_passes,
 )
