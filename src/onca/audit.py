@@ -295,12 +295,17 @@ def _error_message(exc: Exception) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:600]
 
 
+# LLVM's banner over a crash's backtrace, printed however the process then exits.
+_LLVM_CRASH = "PLEASE submit a bug report"
+
+
 def _is_crash(exc: Exception) -> bool:
-    """The adapter died (an assertion or a signal) instead of reporting an error in the IR."""
+    """The adapter died (an assertion, a signal, LLVM's crash handler) instead of reporting an error
+    in the IR."""
     if not isinstance(exc, subprocess.CalledProcessError):
         return False
     text = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
-    return exc.returncode < 0 or "Assertion" in text
+    return exc.returncode < 0 or "Assertion" in text or _LLVM_CRASH in text
 
 
 def shared_memory_error(launch: Launch, shared: int) -> str | None:
