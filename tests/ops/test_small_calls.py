@@ -337,6 +337,11 @@ HEAD_CASES = {
         lambda d: _head_inputs(d),
         lambda h, w, y: _stacked(fused_linear_logprobs(h, w, y, softcap=3.0,
                                                        outputs=("mean_logits", "is_top1")))),
+    # TRL's compact layout: (tokens, H) and 1-D labels, here int32 (torch's route casts them).
+    "logprobs_compact_int32_labels": (
+        lambda d: [t.flatten(0, 1).detach().requires_grad_(t.requires_grad) if t.dim() == 3 else
+                   t.flatten().int() if t.dtype == torch.long else t for t in _head_inputs(d)],
+        lambda h, w, y: _stacked(fused_linear_logprobs(h, w, y, outputs=()))),
     "scaled_cross_entropy_entropy": (
         lambda d: _head_inputs(d),
         lambda h, w, y: torch.stack(fused_linear_scaled_cross_entropy(h, w, y, 0.8, return_entropy=True))),
@@ -386,6 +391,20 @@ def test_a_small_heads_top1_flags_are_the_kernels(device, route):
     kernels = fused_linear_logprobs(h, w, y, outputs=("is_top1",)).is_top1
     assert routed.dtype == torch.bool and torch.equal(routed, kernels)
     assert 9 <= int(routed.sum()) < 24
+
+
+def test_a_small_heads_top1_flags_are_false_where_a_class_is_the_ignore_index(device, route):
+    """An ignore_index inside the vocabulary: a position whose label is it (and its top-1) is not
+    scored, so its flag is False on both routes (torch's route skips the mask for -100 only)."""
+    h, w, _ = _head_inputs(device)
+    with torch.no_grad():
+        best = (h @ w.T).argmax(-1)
+    ignored = int(best[0, 0])
+    y = best.clone()  # every label the top-1; those equal to `ignored` not scored
+    routed = fused_linear_logprobs(h, w, y, outputs=("is_top1",), ignore_index=ignored).is_top1
+    small_calls.set_limit(0)
+    kernels = fused_linear_logprobs(h, w, y, outputs=("is_top1",), ignore_index=ignored).is_top1
+    assert torch.equal(routed, kernels) and torch.equal(routed, best != ignored)
 
 
 def test_a_head_above_the_limit_keeps_oncas_op(device, route, onca_ops):

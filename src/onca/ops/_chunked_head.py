@@ -102,6 +102,7 @@ __all__ = [
     "TILES",
     "WIDE_TILES",
     "chunk_loop",
+    "checked_logprobs",
     "chunk_plan",
     "chunked_logprobs",
     "grad_tile_loop",
@@ -715,14 +716,23 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tenso
     check_options(ignore_index, temperature, chunk_tokens)
     (hidden, weight, bias), cast = head_inputs(hidden, weight, bias)
     validate_head(hidden, weight, labels, bias)
-    accum_fp32 = check_accum_dtype(accum_dtype, weight.dtype)
-    args = (hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens, accum_fp32,
-            keep_logits)
+    return checked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens,
+                            check_accum_dtype(accum_dtype, weight.dtype), keep_logits, cast)
+
+
+def checked_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ignore_index: int,
+                     temperature: float, entropy: bool, chunk_tokens: int | None, accum_fp32: bool,
+                     keep_logits: bool, autocast: bool) -> tuple[Tensor, Tensor | None]:
+    """:func:`chunked_logprobs` of inputs its checks have passed (the post-training losses check
+    theirs once, :func:`onca.ops._posttrain.check_common`: a small call's host time is what it
+    costs), already in the autocast dtype where ``autocast`` (which is then off around the op)."""
     if small_head(hidden, weight, labels):
         logp, ent, *_ = torch_logprobs(hidden, weight, bias, labels, ignore_index, float(temperature),
                                        0.0, 1.0, entropy)
         return logp, ent
-    if cast:
+    args = (hidden, weight, labels, bias, ignore_index, temperature, entropy, chunk_tokens, accum_fp32,
+            keep_logits)
+    if autocast:
         with torch.autocast(hidden.device.type, enabled=False):
             return _chunked_logprobs(*args)
     return _chunked_logprobs(*args)
@@ -743,9 +753,10 @@ def torch_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: 
                    is_top1: bool = False) -> tuple[Tensor, ...]:
     """A small call's ``(logp, entropy, log_sum_sq_probs, mean_logits, is_top1)`` (each statistic
     None unless asked for; shaped like ``labels``; 0 / False where ignored) by torch's ops: the
-    logits in the input dtype by one GEMM, then in fp32 the transform, ``log_softmax`` and a gather,
-    where the chunk driver's kernels would read the same logits in fp32 (values to rounding, the
-    incoming gradient rounded to the input dtype before the GEMMs, as there). ``logp`` and the
+    logits in the input dtype by one GEMM, then in fp32 the transform, ``log_softmax`` and ATen's
+    ``nll_loss`` (the gather that zeroes ignored labels), where the chunk driver's kernels would
+    read the same logits in fp32 (values to rounding, the incoming gradient rounded to the input
+    dtype before the GEMMs, as there). ``logp`` and the
     entropy take gradients by autograd; the other statistics are detached, as the op's. One
     difference: a label outside ``[0, V)`` (not ``ignore_index``) stops with torch's device-side
     assertion where the kernels return NaN."""
@@ -755,17 +766,30 @@ def torch_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: 
     elif logit_scale != 1.0 or temperature != 1.0:
         z = z * (logit_scale / temperature)
     log_probs = torch.log_softmax(z, -1)
-    scored = labels != ignore_index
-    # An ignored position gathers column 0 and is zeroed; any other label is indexed as it is.
-    logp = log_probs.gather(-1, torch.where(scored, labels, 0).long().unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(scored, logp, 0.0)
+    # ATen's nll_loss (no reduction) gathers each label's log-probability and writes 0 where the
+    # label is ignore_index, in one kernel each way: a mask, a clamp and a gather would be three
+    # more launches forward, each tens of microseconds of host time on a slow host.
+    rows = log_probs if log_probs.dim() == 2 else log_probs.view(-1, log_probs.shape[-1])
+    flat = labels.reshape(-1)
+    flat = flat if flat.dtype == torch.int64 else flat.long()
+    nll = torch._C._nn.nll_loss(rows, flat, None, 0, ignore_index)
+    logp = -(nll if labels.dim() == 1 else nll.view(labels.shape))
+    if not (entropy or log_sum_sq_probs or mean_logits or is_top1):
+        return logp, None, None, None, None
+    # The argmax is a class in [0, V): it never equals an ignore_index outside the vocabulary (-100),
+    # so the top-1 flags need the mask only for an ignore_index that is a class.
+    top1_masked = is_top1 and 0 <= ignore_index < z.shape[-1]
+    scored = labels != ignore_index if (entropy or log_sum_sq_probs or mean_logits or top1_masked) else None
     ent = torch.where(scored, -(log_probs.exp() * log_probs).sum(-1), 0.0) if entropy else None
     if not (log_sum_sq_probs or mean_logits or is_top1):
         return logp, ent, None, None, None
     with torch.no_grad():
         sq = torch.where(scored, torch.logsumexp(2 * log_probs, -1), 0.0) if log_sum_sq_probs else None
         mean = torch.where(scored, z.mean(-1), 0.0) if mean_logits else None
-        top1 = (z.argmax(-1) == labels) & scored if is_top1 else None  # torch's argmax: the first maximum
+        top1 = None
+        if is_top1:
+            top1 = z.argmax(-1) == labels  # torch's argmax: the first maximum
+            top1 = top1 & scored if top1_masked else top1
     return logp, ent, sq, mean, top1
 
 

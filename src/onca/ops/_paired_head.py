@@ -124,7 +124,7 @@ def paired_loss_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
     db = torch.zeros(vocab, dtype=torch.float32, device=dev) if grad_bias else None
     sums = torch.empty(n_seq, dtype=torch.float32, device=dev)
     total = torch.zeros((), dtype=torch.float32, device=dev)
-    counts = (labels != ignore_index).sum(-1).to(torch.float32)
+    counts = (labels != ignore_index).sum(-1, dtype=torch.float32)
     chosen_tokens = counts[:pairs].sum().clamp(min=1.0)
     per_chunk = pair_chunks(pairs, seq, vocab, hidden.dtype, chunk_pairs=chunk_pairs or None) or 1
     rows = 2 * per_chunk * seq

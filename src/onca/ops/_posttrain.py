@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from onca.ops._chunked_head import check_options, chunked_logprobs, head_inputs, small_head, validate_head
+from onca.ops._chunked_head import check_options, checked_logprobs, head_inputs, small_head, validate_head
 from onca.ops._paired_head import ALIGNED_WHEN_SMALL, PAIR_LOSSES, paired_loss, use_paired_chunks
-from onca.ops._validate import check_accum_dtype, check_bool, check_float, check_number, check_tensor
+from onca.ops._validate import (autocast_enabled, check_accum_dtype, check_bool, check_float, check_number,
+                                check_tensor)
 
 __all__ = [
     "SequenceLogps",
@@ -51,7 +52,7 @@ class SequenceSums:
     @property
     def counts(self) -> Tensor:
         if self._counts is None:
-            self._counts = self.mask.sum(-1).to(torch.float32)
+            self._counts = self.mask.sum(-1, dtype=torch.float32)  # one kernel: no cast after the sum
         return self._counts
 
     @property
@@ -109,10 +110,11 @@ def check_per_sequence(t, name: str, n: int, ref: Tensor, *, floating: bool = Tr
 
 def policy_logps(hidden, weight, labels, bias, *, ignore_index, temperature=1.0, entropy=False,
                  chunk_tokens=None, accum_dtype=None) -> SequenceLogps:
-    """The policy's per-token log-probabilities (differentiable) through the chunk driver."""
-    per_token, ent = chunked_logprobs(hidden, weight, labels, bias, ignore_index=ignore_index,
-                                      temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens,
-                                      accum_dtype=accum_dtype)
+    """The policy's per-token log-probabilities (differentiable) through the chunk driver, of a head
+    already checked (:func:`check_common`, or :func:`reference_logps`'s checks) and cast."""
+    per_token, ent = checked_logprobs(hidden, weight, labels, bias, ignore_index, temperature, entropy,
+                                      chunk_tokens, check_accum_dtype(accum_dtype, weight.dtype), False,
+                                      autocast_enabled(hidden.device.type))
     return SequenceLogps(per_token, labels, ignore_index, ent)
 
 
