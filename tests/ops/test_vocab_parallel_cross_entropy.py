@@ -178,9 +178,9 @@ def test_a_one_rank_group_is_cross_entropy(device, world, monkeypatch):
     calls = []
 
     def spy(name, real):
-        return lambda *args, **kwargs: (calls.append((name, kwargs)), real(*args, **kwargs))[1]
+        return lambda *args, **kwargs: (calls.append((name, kwargs or args)), real(*args, **kwargs))[1]
 
-    monkeypatch.setattr(op, "cross_entropy", spy("cross_entropy", op.cross_entropy))
+    monkeypatch.setattr(op, "checked_cross_entropy", spy("cross_entropy", op.checked_cross_entropy))
     monkeypatch.setattr(op, "fused_linear_cross_entropy", spy("fused", op.fused_linear_cross_entropy))
     forward = op.vocab_parallel_cross_entropy_forward
     monkeypatch.setattr(op, "vocab_parallel_cross_entropy_forward",
@@ -189,8 +189,11 @@ def test_a_one_rank_group_is_cross_entropy(device, world, monkeypatch):
     target = torch.randint(0, 30, (6,), device=device)
     vocab_parallel_cross_entropy(logits, target, world, reduction="sum", lse_square_scale=1e-3,
                                  ignore_index=3)
-    assert calls == [("cross_entropy", {"ignore_index": 3, "reduction": "sum", "lse_square_scale": 1e-3,
-                                        "return_z_loss": False})]
+    # (logits, target, target1d, weight, ignore_index, label_smoothing, reduction, lse_square_scale,
+    #  softcap, return_z_loss, overwrite_logits, return_token_accuracy, return_predicted_tokens)
+    [(name, args)] = calls
+    assert name == "cross_entropy" and args[0] is logits and args[3:] == (None, 3, 0.0, "sum", 1e-3, None,
+                                                                           False, False, False, False)
     calls.clear()
     hidden, weight = randn(6, 8, device=device), randn(30, 8, device=device)
     vocab_parallel_fused_linear_cross_entropy(hidden, weight, target, None, world, chunk_tokens=4,

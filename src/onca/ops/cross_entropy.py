@@ -1020,7 +1020,8 @@ def torch_cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, i
         return torch._C._nn.cross_entropy_loss(logits.float(), target, weight, _REDUCTION_ENUM[reduction],
                                                ignore_index, label_smoothing)
     # A 16-bit head without smoothing: the same values with the cast inside the log-softmax (whose
-    # backward returns the logits' dtype), one small kernel fewer each way.
+    # backward returns the logits' dtype). For fp16 on CUDA that is one small kernel fewer each way
+    # (ATen's half-to-float log-softmax); bf16 is cast first there too (ATen's fast path is fp16's).
     log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
     return torch._C._nn.nll_loss_nd(log_probs, target, weight, _REDUCTION_ENUM[reduction], ignore_index)
 
@@ -1082,6 +1083,18 @@ def cross_entropy(
         check_bool(return_predicted_tokens, "return_predicted_tokens")
     target1d = _validate_inputs(logits, target)
     weight = check_class_weight(weight, "weight", logits.shape[-1], logits, "logits")
+    return checked_cross_entropy(logits, target, target1d, weight, ignore_index, label_smoothing, reduction,
+                                 lse_square_scale, softcap, return_z_loss, overwrite_logits,
+                                 return_token_accuracy, return_predicted_tokens)
+
+
+def checked_cross_entropy(logits, target, target1d, weight, ignore_index, label_smoothing, reduction,
+                          lse_square_scale, softcap, return_z_loss, overwrite_logits, return_token_accuracy,
+                          return_predicted_tokens):
+    """:func:`cross_entropy` of arguments its checks have passed (``target1d``: ``target`` as
+    :func:`check_target` returns it; ``weight`` as :func:`check_class_weight` does), for an op
+    that has checked them already (vocabulary-parallel cross entropy on one rank): a small call's
+    host time is what it costs."""
     # overwrite_logits only lets the op reuse the logits: torch's route allocates instead.
     returns = (return_z_loss, return_token_accuracy, return_predicted_tokens)
     torch_can = torch_computes(lse_square_scale, softcap, label_smoothing, weight, *returns)

@@ -55,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onca.device import DeviceProfile, get_profile
-from onca.ops._contract import custom_op, register_autograd, tracing
+from onca.ops._contract import PLAIN_TYPES, custom_op, register_autograd, tracing
 from onca.ops._launch import fast_launch
 from onca.ops._rows import as_rows
 from onca.ops._validate import check_bool, check_float, check_number, check_same_device, check_tensor
@@ -65,7 +65,7 @@ from onca.ops.cross_entropy import (
     ForwardGradients,
     SCALE,
     check_target,
-    cross_entropy,
+    checked_cross_entropy,
     cross_entropy_rows,
     reduce_losses,
     scale_forward_gradient,
@@ -445,6 +445,8 @@ register_autograd(vocab_parallel_fused_linear_cross_entropy_forward, _flce_backw
 
 
 def _is_dtensor(t) -> bool:
+    if type(t) in PLAIN_TYPES:  # first: no import on a plain tensor's call
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
@@ -507,7 +509,8 @@ def _resolve(group, vocab_local: int, vocab_start, vocab_size, name: str) -> tup
         if vocab_size is not None and vocab_size != world * vocab_local:
             raise ValueError(f"vocab_size {vocab_size} is not {world} even shards of {vocab_local}: "
                              "pass vocab_start for uneven shards")
-        return group.group_name, dist.get_rank(group) * vocab_local, world * vocab_local, world
+        start = dist.get_rank(group) * vocab_local if world > 1 else 0
+        return group.group_name, start, world * vocab_local, world
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be None or an int >= 0, got {vocab_start!r}")
     if vocab_size is not None:
@@ -589,8 +592,8 @@ def vocab_parallel_cross_entropy(
         group_name, start, total, ranks = _resolve(group, logits.shape[-1], vocab_start, vocab_size,
                                                    "cross entropy")
     if _whole_vocabulary(ranks, start, total, logits.shape[-1]):
-        return cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
-                             lse_square_scale=lse_square_scale, return_z_loss=return_z_loss)
+        return checked_cross_entropy(logits, target, target1d, None, ignore_index, 0.0, reduction,
+                                     lse_square_scale, None, return_z_loss, False, False, False)
     loss, z_loss, _ = vocab_parallel_cross_entropy_forward(
         as_rows(logits), target1d, group_name, start, total, ignore_index, float(lse_square_scale), reduction)
     if reduction == "none":
