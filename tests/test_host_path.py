@@ -134,3 +134,22 @@ def test_layer_norm_gradients_share_one_fill_and_one_sum():
         kernels = torch_kernels(step)
     assert counter[0] == 3, f"{counter[0]} launches: forward, backward and one sum expected"
     assert len(kernels) == 1 and kernels[0] in ("aten::zero_", "aten::fill_"), kernels  # one fill
+
+
+def test_the_small_mode_times_torchs_route_on_the_cpu():
+    """``--small`` runs an op's small call through torch's route on the CPU (the route counts it) and
+    leaves the route's device types as they were; an op with no such route at its overhead point
+    (RMSNorm: its kernels win there) takes none."""
+    from onca.ops import _small_calls
+    from tools.host_path import measure_small
+
+    before = _small_calls.DEVICE_TYPES
+    limit = _small_calls.set_limit(_small_calls.DEFAULT_LIMIT)  # the suite runs with the route off
+    try:
+        taken, onca_us, torch_us = measure_small("layer_norm")
+        assert taken == 1 and onca_us > 0 and torch_us > 0
+        assert measure_small("rms_norm", timed=False)[0] == 0
+        assert measure_small("fused_linear_dpo", timed=False)[0] == 2  # the policy's head and the reference's
+    finally:
+        _small_calls.set_limit(limit)
+    assert _small_calls.DEVICE_TYPES == before == ("cuda",)

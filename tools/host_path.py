@@ -4,12 +4,21 @@ launch stubbed out.
 
     python -m tools.host_path                 # every op with a benchmark
     python -m tools.host_path rms_norm cross_entropy
+    python -m tools.host_path --small [OP ...]  # torch's small-call route, run for real on the CPU
 
 On a GPU an op's host cost at host-bound sizes is about (this Python time) + launches x (Triton's
 per-launch cost, tens of microseconds in Triton 3.6's Python launcher): both numbers are what a
 change to an op's host path can lower, and both are measured here without an accelerator (the
 kernels do not run, so outputs are garbage; nothing reads them). Torch's own time for the same
 computation is printed beside it (on the CPU: torch's C++ path plus a tiny computation).
+
+``--small`` times the ops whose overhead-point call takes torch's route on CUDA
+(:mod:`onca.ops._small_calls`) with that route switched on for the CPU: Onca's forward + backward
+against the benchmark's reference, both computing with torch's CPU kernels, bf16. Their ratio is
+the host paths' (Onca's checks, its routing, a torch op more or fewer), on one CPU thread. They
+are for comparing two versions of one op's host path on one machine where no GPU is lent, not GPU
+figures: on 2026-12-04 a 2-core CI host's ratios lay between 0.27 below and 0.12 above the
+committed H200 overhead sweep's, op by op.
 """
 
 from __future__ import annotations
@@ -128,7 +137,65 @@ def measure(op: str, dtype=torch.float32, timed: bool = True) -> tuple[int, list
     return launches, kernels, onca_us, torch_us
 
 
+@contextlib.contextmanager
+def small_route_on_cpu():
+    """Small calls on the CPU take torch's route, as on CUDA (:mod:`onca.ops._small_calls`)."""
+    from onca.ops import _small_calls
+
+    saved = _small_calls.DEVICE_TYPES
+    _small_calls.DEVICE_TYPES = (*saved, "cpu")
+    try:
+        yield
+    finally:
+        _small_calls.DEVICE_TYPES = saved
+
+
+def measure_small(op: str, dtype=torch.bfloat16,
+                  timed: bool = True) -> tuple[int, float | None, float | None]:
+    """(Onca's calls that took torch's route in one forward + backward, Onca's µs per call, the
+    benchmark reference's µs per call) at the overhead point, on this CPU with the small-call route
+    on: both run torch's kernels for real, so the difference is the two host paths (Onca's checks
+    and routing, and any torch op one path calls more); the times are None unless ``timed`` (and
+    the call took the route)."""
+    bench = harness.load(op)
+    params = dict(bench.overhead_sweep().points[0][1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny kernels' threading is noise here, not host path
+    try:
+        return _measure_small(bench, params, dtype, timed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_small(bench, params, dtype, timed):
+    from onca.ops import _small_calls
+
+    with small_route_on_cpu():
+        onca_step = _step(bench, bench.onca, params, dtype)
+        before = _small_calls.taken
+        onca_step()
+        taken = _small_calls.taken - before
+        if not (timed and taken):
+            return taken, None, None
+        onca_us = min(_us_per_call(onca_step) for _ in range(3))
+    reference = _step(bench, bench.reference, params, dtype)
+    return taken, onca_us, min(_us_per_call(reference) for _ in range(3))
+
+
+def main_small(ops: list[str]) -> int:
+    print(f"{'op':36s} {'routed':>6s} {'onca µs':>9s} {'torch µs':>9s} {'torch/onca':>10s}")
+    for op in ops:
+        taken, onca_us, torch_us = measure_small(op)
+        if not taken:
+            print(f"{op:36s} {0:6d}  (no torch route at this size: python -m tools.host_path {op})")
+            continue
+        print(f"{op:36s} {taken:6d} {onca_us:9.1f} {torch_us:9.1f} {torch_us / onca_us:10.2f}", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--small"]:
+        return main_small(argv[1:] or harness.list_ops())
     ops = argv or harness.list_ops()
     print(f"{'op':36s} {'triton':>6s} {'torch':>5s} {'onca µs':>9s} {'torch µs':>9s}  torch kernels")
     for op in ops:
