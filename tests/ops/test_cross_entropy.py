@@ -71,7 +71,7 @@ def check(logits, target, reduction="mean", in_place=False, grad_scale=None, **o
     ref = reduce_reference(per, valid, reduction)
     if reduction == "none":
         ref = ref.view(target.shape)
-    assert loss.dtype == dtype and loss.shape == ref.shape
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape  # fp32 whatever the logits' dtype
     assert_close(loss, ref, dtype, "loss")
     if grad_scale is None:
         dy = randn(*ref.shape, dtype=torch.float32, device=logits.device) if ref.dim() else torch.tensor(0.75)
@@ -448,7 +448,7 @@ def check_weighted(logits, target, weight, reduction="mean", in_place=False, **o
     x64 = logits.detach().to(torch.float64).requires_grad_(True)
     ref = loss_reference(x64.reshape(-1, vocab), target.reshape(-1), reduction, weight, **options)
     ref = ref.view(target.shape) if reduction == "none" else ref
-    assert loss.dtype == dtype and loss.shape == ref.shape
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
     assert_close(loss, ref, dtype, "loss")
     dy = randn(*ref.shape, device=logits.device) if ref.dim() else torch.tensor(0.75, device=logits.device)
     loss.backward(dy.to(dtype))

@@ -417,6 +417,28 @@ def test_a_head_above_the_limit_keeps_oncas_op(device, route, onca_ops):
     assert onca_ops == ["chunked_logprob_forward"]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_is_fp32_on_both_routes(device, route, onca_ops, reduction):
+    """bf16 logits: the loss is fp32 on torch's route as from the kernels (never rounded to bf16),
+    with the kernels' values; its gradient has the logits' dtype."""
+    logits = _tensor((2, 5, 24), BF16, device)
+    target = _labels((2, 5), 24, device)
+    losses, grads = [], []
+    for limit in (small_calls.DEFAULT_LIMIT, 0):  # torch's route, then the kernels
+        small_calls.set_limit(limit)
+        x = logits.detach().clone().requires_grad_(True)
+        loss = cross_entropy(x, target, reduction=reduction)
+        loss.sum().backward()
+        losses.append(loss)
+        grads.append(x.grad)
+    assert onca_ops == ["cross_entropy_forward", "cross_entropy_backward"]  # the kernels' call only
+    for loss in losses:
+        assert loss.dtype == torch.float32 and loss.shape == ((2, 5) if reduction == "none" else ())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    assert grads[0].dtype == grads[1].dtype == BF16
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+
+
 def test_overwrite_inputs_on_torchs_route_leaves_the_inputs(device, route):
     a, b = _tensor((5, 64), F32, device), _tensor((5, 64), F32, device)
     a0, b0 = a.detach().clone(), b.detach().clone()

@@ -57,7 +57,10 @@ Two ways to get the gradient, chosen by ``overwrite_logits``:
   the copy is overwritten instead. When the logits do not require grad nothing is written. Traced
   (``torch.compile``), the gradient goes into a buffer of its own: compiled graphs mutate nothing.
 
-The loss has the logits' dtype (as torch's); per-token losses are accumulated in fp32.
+The loss (and the z-loss) is fp32 whatever the logits' dtype, as Hugging Face's causal-LM loss
+computes it (it upcasts the logits) and as fused linear cross entropy returns it: the per-token
+losses are fp32 and so is their reduction, never rounded to 16 bits (a bf16 loss near 2 moves in
+steps of 1/128, which would quantise the loss curve).
 """
 
 from __future__ import annotations
@@ -643,18 +646,17 @@ def target_stats(target: Tensor, ignore_index: int, weight: Tensor | None, reduc
     return stats
 
 
-def reduce_losses(ce_rows: Tensor, z_rows: Tensor, stats: Tensor, reduction: str, dtype: torch.dtype, *,
+def reduce_losses(ce_rows: Tensor, z_rows: Tensor, stats: Tensor, reduction: str, *,
                   weighted: bool, predicted: Tensor | None = None, target: Tensor | None = None,
                   ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(loss, z_loss, token_accuracy)`` from the per-row fp32 parts, the losses in ``dtype``;
-    reduced by one launch (``reduction="none"``: per row). The accuracy is None without
-    ``predicted``."""
+    """``(loss, z_loss, token_accuracy)`` (fp32) from the per-row fp32 parts, reduced by one
+    launch (``reduction="none"``: per row). The accuracy is None without ``predicted``."""
     if reduction == "none":
         accuracy = None
         if predicted is not None:
             accuracy = ((predicted == target) & (target != ignore_index)).to(torch.float32)
-        return (ce_rows + z_rows).to(dtype), z_rows.to(dtype), accuracy
-    loss, z_loss = (torch.empty((), dtype=dtype, device=ce_rows.device) for _ in range(2))
+        return ce_rows + z_rows, z_rows, accuracy
+    loss, z_loss = (torch.empty((), dtype=torch.float32, device=ce_rows.device) for _ in range(2))
     accuracy = torch.empty((), dtype=torch.float32, device=ce_rows.device) if predicted is not None else None
     _reduce_loss_kernel[(1,)](
         ce_rows, z_rows, stats, predicted if predicted is not None else ce_rows,
@@ -682,7 +684,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Tensor | None,
                           predictions: bool, gradient_in_forward: bool,
                           overwrite_logits: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, z_loss, lse, grad, token_accuracy, predicted)`` of the 2-D ``logits``: ``loss`` and
-    ``z_loss`` reduced, in the logits' dtype; ``lse`` fp32 per row. With ``gradient_in_forward`` the
+    ``z_loss`` reduced (fp32); ``lse`` fp32 per row. With ``gradient_in_forward`` the
     gradient for a unit incoming gradient is computed too: into ``grad``, or (``overwrite_logits``,
     eager route only) over the logits, ``grad`` then being empty. With ``predictions`` the argmax
     per row (int64, -1 where ignored) and the token accuracy reduced like the loss (fp32); empty
@@ -704,8 +706,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Tensor | None,
                            scale=_unit_scale(stats, reduction),
                            z_scale=_unit_scale(stats, reduction, z=True) if lse_square_scale else None,
                            weight=weight, weight_total=stats[WEIGHT_TOTAL] if weight is not None else None)
-    loss, z_loss, accuracy = reduce_losses(ce_rows, z_rows, stats, reduction, logits.dtype,
-                                           weighted=weight is not None,
+    loss, z_loss, accuracy = reduce_losses(ce_rows, z_rows, stats, reduction, weighted=weight is not None,
                                            predicted=predicted if predictions else None, target=target,
                                            ignore_index=ignore_index)
     return loss, z_loss, lse, grad, accuracy if predictions else _no_rows(logits), predicted
@@ -727,7 +728,8 @@ def _(logits, target, weight, ignore_index, label_smoothing, lse_square_scale, s
     keep_grad = gradient_in_forward and not overwrite_logits
     lse = logits.new_empty(rows, dtype=torch.float32)
     grad = logits.new_empty((rows, vocab) if keep_grad else (0,))
-    return (logits.new_empty(loss_shape), logits.new_empty(loss_shape), lse, grad,
+    f32 = dict(dtype=torch.float32)
+    return (logits.new_empty(loss_shape, **f32), logits.new_empty(loss_shape, **f32), lse, grad,
             *fake_predictions(logits, rows, reduction, predictions))
 
 
@@ -1062,7 +1064,9 @@ def cross_entropy(
     soft-capping ``softcap * tanh(logits / softcap)``. A non-ignored target outside ``[0, vocab)``
     makes its token's loss and gradient NaN (never an out-of-bounds read); a small call on CUDA
     (torch's op, :mod:`onca.ops._small_calls`) stops with torch's device-side assertion instead.
-    The class weights are read in fp32 whatever their float dtype, and take no gradient.
+    The class weights are read in fp32 whatever their float dtype, and take no gradient. The loss
+    and the z-loss are fp32 whatever the logits' dtype (torch's would be the logits'; Hugging
+    Face's causal-LM loss upcasts the logits first and is fp32): see the module docstring.
     ``return_z_loss=True`` returns ``(loss, z_loss)`` (the z-loss part, for logging).
     ``return_token_accuracy`` / ``return_predicted_tokens`` (found in the same pass, no gradient)
     return a :class:`CrossEntropyOutput` ``(loss, z_loss, token_accuracy, predicted_tokens)``, as
@@ -1103,9 +1107,7 @@ def checked_cross_entropy(logits, target, target1d, weight, ignore_index, label_
         needs_rows = logits.dim() > 2
         rows, labels = (as_rows(logits), target1d) if needs_rows else (logits, target)
         loss = torch_cross_entropy(rows, labels, weight, ignore_index, label_smoothing, reduction)
-        loss = loss.view(target.shape) if needs_rows and reduction == "none" else loss
-        # Not .to() where the dtype is already right: its argument parsing alone costs microseconds.
-        return loss if logits.dtype == torch.float32 else loss.to(logits.dtype)
+        return loss.view(target.shape) if needs_rows and reduction == "none" else loss
     x2d = as_rows(logits)
     gradient_in_forward = overwrite_logits and logits.requires_grad and torch.is_grad_enabled()
     overwrite = gradient_in_forward and not tracing(logits, target)

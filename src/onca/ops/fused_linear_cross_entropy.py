@@ -241,7 +241,7 @@ def fused_linear_cross_entropy_forward(
                     write_grad=write_grad, loss=ce_rows, z=z_rows,
                     predicted=predicted if predictions else None, scale=scale, z_scale=z_scale,
                     dx=dx, dw=dw, db=db)
-    loss, z_loss, accuracy = reduce_losses(ce_rows, z_rows, stats, reduction, torch.float32,
+    loss, z_loss, accuracy = reduce_losses(ce_rows, z_rows, stats, reduction,
                                            weighted=ce_weight is not None,
                                            predicted=predicted if predictions else None, target=target,
                                            ignore_index=ignore_index)

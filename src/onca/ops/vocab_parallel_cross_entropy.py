@@ -34,7 +34,7 @@ Two public functions:
   column-parallel layer's backward does with its replicated input). Saved for backward: the three
   gradients.
 
-The loss is the same on every rank (fp32 for the fused function, the logits' dtype for the other).
+The loss is the same on every rank, fp32 for both functions (as cross entropy's).
 Both take ``ignore_index``, ``reduction`` (``"mean"``, ``"sum"``; ``"none"`` for the logits
 function) and the z-loss ``lse_square_scale``. Label smoothing, class weights and soft-capping are
 not offered on sharded logits. A target outside ``[0, V)`` that is not ``ignore_index`` gives NaN.
@@ -262,8 +262,8 @@ def vocab_parallel_cross_entropy_forward(
     logits: Tensor, target: Tensor, group_name: str, vocab_start: int, vocab_total: int, ignore_index: int,
     lse_square_scale: float, reduction: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(loss, z_loss, lse)`` of the local logits ``(rows, V_r)``: the losses reduced in the
-    logits' dtype, the global fp32 log-sum-exp per row (0 on ignored rows)."""
+    """``(loss, z_loss, lse)`` of the local logits ``(rows, V_r)``: the losses reduced (fp32), the
+    global fp32 log-sum-exp per row (0 on ignored rows)."""
     rows, vocab_local = logits.shape
     target = target.contiguous()
     both = _statistics(rows, logits.device)
@@ -276,7 +276,7 @@ def vocab_parallel_cross_entropy_forward(
     lse, ce_rows, z_rows = (torch.empty_like(lse_local) for _ in range(3))
     _global_rows(target, m, both, vocab_total, ignore_index, lse_square_scale, lse, ce_rows, z_rows)
     stats = target_stats(target, ignore_index, None, reduction)
-    loss, z_loss, _ = reduce_losses(ce_rows, z_rows, stats, reduction, logits.dtype, weighted=False)
+    loss, z_loss, _ = reduce_losses(ce_rows, z_rows, stats, reduction, weighted=False)
     return loss, z_loss, lse
 
 
@@ -284,7 +284,8 @@ def vocab_parallel_cross_entropy_forward(
 def _(logits, target, group_name, vocab_start, vocab_total, ignore_index, lse_square_scale, reduction):
     rows = logits.shape[0]
     shape = (rows,) if reduction == "none" else ()
-    return logits.new_empty(shape), logits.new_empty(shape), logits.new_empty(rows, dtype=torch.float32)
+    f32 = dict(dtype=torch.float32)
+    return logits.new_empty(shape, **f32), logits.new_empty(shape, **f32), logits.new_empty(rows, **f32)
 
 
 @custom_op("vocab_parallel_cross_entropy_backward")
@@ -396,7 +397,7 @@ def vocab_parallel_fused_linear_cross_entropy_forward(
         _exchange(lse_local, _statistics(0, hidden.device), group)
     if dx is not None and group.size() > 1:
         dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=group)  # dhidden sums over the shards
-    loss, z_loss, _ = reduce_losses(ce_rows, z_rows, stats, reduction, torch.float32, weighted=False)
+    loss, z_loss, _ = reduce_losses(ce_rows, z_rows, stats, reduction, weighted=False)
     empty = hidden.new_empty(0)
     return (loss, z_loss, lse, dx if dx is not None else empty,
             dw.to(weight.dtype) if dw is not None else empty,
@@ -567,7 +568,7 @@ def vocab_parallel_cross_entropy(
     call gathers the shards' sizes on the host (a synchronisation). Options as
     :func:`onca.ops.cross_entropy.cross_entropy`: ``ignore_index``, ``reduction`` (``"mean"``,
     ``"sum"``, ``"none"``), ``lse_square_scale`` (z-loss) and ``return_z_loss``. Every rank
-    returns the same loss (a plain tensor in the logits' dtype); the logits' gradient is this
+    returns the same loss (a plain fp32 tensor); the logits' gradient is this
     rank's slice. Two all-reduces of per-token fp32 numbers in forward, none in backward. Every
     rank of the group must call it with the same targets. See the module docstring.
     """
