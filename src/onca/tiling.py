@@ -203,7 +203,7 @@ def _plan_rows(rows, cols, dtype, live_tiles, profile, fp32_tiles, column_fp32, 
     units = profile.compute_units if max_programs is None else min(profile.compute_units, max_programs)
     if live_tiles < 0 or fp32_tiles < 0 or live_tiles + fp32_tiles < 1:
         raise TilingError(f"a kernel needs at least one live tile (live={live_tiles}, fp32={fp32_tiles})")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     bytes_per_col = live_tiles * itemsize + fp32_tiles * 4  # per row of the block
     column_bytes = column_fp32 * 4  # once per block, however many rows it has
     # The narrowest block whose every tile is a whole number of alignment units.
@@ -438,7 +438,7 @@ def _plan_matmul(m, n, k, dtype, profile, accumulators, epilogue_tiles, block_m,
     for name, side in (("max_block_n", max_block_n), ("max_block_k", max_block_k)):
         if side < _MIN_DOT or side & (side - 1):
             raise TilingError(f"{name} must be a power of two of at least {_MIN_DOT}, got {side}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     side = lambda size, largest: max(_MIN_DOT, min(largest, next_power_of_2(max(1, size))))  # noqa: E731
     bm = block_m if block_m is not None else side(m, _MAX_DOT_M)
     bn, bk = side(n, max_block_n), side(k, max_block_k)

@@ -132,4 +132,4 @@ class OpBenchmark:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

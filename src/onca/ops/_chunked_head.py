@@ -329,7 +329,7 @@ def grad_tiles(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *, accu
     rows = min(tokens, GRAD_TILE_TOKENS)
     if chunk_tokens or chunks.chunk >= rows:
         return chunks, vocab
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     fit = max(VOCAB_TILE_MULTIPLE, chunks.bytes_per_chunk // (rows * itemsize))
     n_tiles = cdiv(vocab, fit)
     width = cdiv(vocab, n_tiles)

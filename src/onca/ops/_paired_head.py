@@ -79,8 +79,7 @@ def pair_chunks(pairs: int, seq: int, vocab: int, dtype: torch.dtype, *, chunk_p
     ``MAX_PAIR_SCRATCH_BYTES``."""
     if chunk_pairs:
         return min(pairs, chunk_pairs)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if 2 * seq * vocab * itemsize > MAX_PAIR_SCRATCH_BYTES:
+    if 2 * seq * vocab * dtype.itemsize > MAX_PAIR_SCRATCH_BYTES:
         return None
     return min(pairs, max(1, GRAD_TILE_TOKENS // (2 * seq)))
 

@@ -128,9 +128,9 @@ def policy_pair_logps(hidden, weight, labels, bias, extras, *, loss, loss_type, 
     autograd through the per-pair losses (per-token log-probabilities returned)."""
     params = [float(p) for p in params]
     # A small call takes the chunk driver's entry, whose torch route (small_head) it then takes,
-    # unless the loss keeps its pair-aligned op at every size.
-    paired = use_paired_chunks(hidden, weight, bias, chunk_tokens)
-    if paired and (loss in ALIGNED_WHEN_SMALL or not small_head(hidden, weight, labels, count=False)):
+    # unless the loss keeps its pair-aligned op at every size (asked first: it is the cheaper test).
+    if ((loss in ALIGNED_WHEN_SMALL or not small_head(hidden, weight, labels, count=False))
+            and use_paired_chunks(hidden, weight, bias, chunk_tokens)):
         value, sums = paired_loss(hidden, weight, bias, labels, extras, loss=loss, loss_type=loss_type,
                                   params=params, nll_weight=nll_weight, ignore_index=ignore_index,
                                   accum_fp32=check_accum_dtype(accum_dtype, weight.dtype))

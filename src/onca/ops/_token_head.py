@@ -90,7 +90,7 @@ def _chunks(tokens: int, width: int, vocab: int, dtype: torch.dtype, accum_fp32:
                         chunk_tokens=chunk_tokens or None, device=device, target_tokens=target)
     if not seq_len:
         return chunks
-    row_bytes = vocab * torch.empty((), dtype=dtype).element_size()
+    row_bytes = vocab * dtype.itemsize
     rows = max(1, chunks.chunk // seq_len) * seq_len
     return plan_token_chunks(tokens, row_bytes, rows * row_bytes, multiple=seq_len)
 

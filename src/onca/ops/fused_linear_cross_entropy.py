@@ -107,7 +107,7 @@ def chunk_plan(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *, accu
     row of logits (overwritten by its gradient) in ``dtype``. ``hidden`` is part of the shape the
     plan describes; the scratch does not depend on it. ``target_tokens``: the tokens per chunk
     aimed at for a ``dtype``-sized accumulator (default ``CHUNK_TOKENS``)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     bytes_per_token = vocab * itemsize
     if chunk_tokens is not None:
         return plan_token_chunks(tokens, bytes_per_token, int(chunk_tokens) * bytes_per_token, multiple=1)
