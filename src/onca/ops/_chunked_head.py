@@ -767,8 +767,9 @@ def torch_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: 
         z = z * (logit_scale / temperature)
     log_probs = torch.log_softmax(z, -1)
     # ATen's nll_loss (no reduction) gathers each label's log-probability and writes 0 where the
-    # label is ignore_index, in one kernel each way: a mask, a clamp and a gather would be three
-    # more launches forward, each tens of microseconds of host time on a slow host.
+    # label is ignore_index, in one kernel each way; with the negation, two forward launches where
+    # a mask, a where on the labels, a gather and a where on the result take four (each tens of
+    # microseconds of host time on a slow host).
     rows = log_probs if log_probs.dim() == 2 else log_probs.view(-1, log_probs.shape[-1])
     flat = labels.reshape(-1)
     flat = flat if flat.dtype == torch.int64 else flat.long()

@@ -24,7 +24,8 @@ the call is *small*:
 
 The LM heads of the post-training losses and of ``fused_linear_logprobs`` (the chunk driver,
 :mod:`onca.ops._chunked_head`) take the unfused computation the same way, their logits counted as
-the largest tensor: one GEMM, torch's fp32 log-softmax and a gather, autograd for the gradient.
+the largest tensor: one GEMM, torch's fp32 log-softmax and NLL (a gather that zeroes ignored labels),
+autograd for the gradient.
 Distillation (:mod:`onca.ops.fused_linear_distill`) likewise: one GEMM per head, then its
 divergence and hard-label cross entropy in fp32.
 
