@@ -74,7 +74,8 @@ SHARDS: dict[str, tuple[str, ...]] = {
     # The benchmark harness, timing on the device; every op's first D1 point at full size (20: 37 of
     # the 40 ops took most of a 470 s call beside shards 8 and 18 on an H200; alone on an H100 after
     # the frozen heap, 2026-11-28: 17 in 20 s, 20 in about 250 s).
-    "17": ("tests/bench/test_harness.py", "tests/bench/test_gemm_limit.py", "tests/bench/test_input_layouts.py"),
+    "17": ("tests/bench/test_harness.py", "tests/bench/test_gemm_limit.py", "tests/bench/test_input_layouts.py",
+           "tests/bench/test_small_call_routes.py"),
     "18": (  # the command line, the device and tiling, the tools, direct launches
         "tests/test_cli.py", "tests/test_device.py", "tests/test_tiling.py", "tests/test_gpu_shards.py",
         "tests/test_host_path.py", "tests/test_kernel_times.py", "tests/test_step_kernels.py",
